@@ -1,0 +1,40 @@
+# Set-up and test targets. Everything is installed from this project's own files
+# into a local virtual environment (.venv).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU test environment pins triton 3.6 (same as the GPU machine) and numpy < 2.3
+# (the Triton 3.6 interpreter breaks with numpy 2.4).
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+
+.PHONY: venv demo test test-gpu lint clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3"
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+# The main job on the embedded default.
+demo: venv
+	$(VENV)/bin/recoverssm demo
+
+# The test suite (CPU; Triton kernels run under the interpreter at tiny shapes).
+test: venv
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
+
+# GPU tests (run on a machine with a CUDA GPU, without the interpreter).
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu tests
+
+lint: venv
+	$(VENV)/bin/ruff check vllm_recoverssm tests benchmarks
+	$(VENV)/bin/mypy vllm_recoverssm
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The ``recoverssm`` command line."""

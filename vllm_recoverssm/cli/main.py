@@ -1,0 +1,51 @@
+"""Entry point of the ``recoverssm`` command: one sub-command per capability.
+
+Each sub-command lives in its own module that exposes ``register(subparsers)``; the
+module adds its parser and sets ``func`` (``args -> exit code``) as the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Sub-command modules, in the order ``--help`` lists them.
+COMMAND_MODULES: tuple[str, ...] = (
+    "vllm_recoverssm.cli.kernel_check",
+)
+
+
+class UsageError(Exception):
+    """Bad user input: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every registered sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="recoverssm",
+        description="Speculative-state recovery for hybrid linear-attention models in vLLM.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError) as exc:
+        print(f"recoverssm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
