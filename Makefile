@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: venv demo test test-gpu lint clean
+.PHONY: venv demo test test-gpu lint clean install-lmcache
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,22 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
+# LMCache (request-boundary checkpoints): the package itself without its dependencies,
+# which pull CUDA-only and cloud packages, then what its CPU storage backends import.
+LMCACHE_SPEC ?= lmcache==0.5.6
+$(VENV)/.lmcache-installed: $(VENV)/.installed requirements/lmcache.txt
+	$(PIP) install -q --no-deps "$(LMCACHE_SPEC)"
+	$(PIP) install -q -r requirements/lmcache.txt "$(TORCH_SPEC)"
+	touch $@
+
+install-lmcache: $(VENV)/.lmcache-installed
+
 # The main job on the embedded default.
 demo: venv
 	$(VENV)/bin/recoverssm demo
 
 # The test suite (CPU; Triton kernels run under the interpreter at tiny shapes).
-test: venv
+test: venv install-lmcache
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
 
 # GPU tests (run on a machine with a CUDA GPU, without the interpreter).
