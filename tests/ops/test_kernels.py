@@ -1,0 +1,298 @@
+"""Triton kernels against the float64 reference.
+
+Two environments run the same checks: ``interp`` (CPU tensors, tiny shapes, needs
+``TRITON_INTERPRET=1``; runs in CI) and ``gpu`` (CUDA tensors at GLM-5.3 TP2 shapes:
+H=32, K=V=128; marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from vllm_recoverssm import ops
+
+from .helpers import SpecBatch, make_batch, make_state
+
+F64 = torch.float64
+STATE_TOL = 1e-6  # committed state vs float64, and commit(n) vs full-state column n
+
+
+def _fp32_out_ok(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32 outputs within 1e-7 at the GPU shapes, where |o| stays below about 0.05
+    (q^ is scaled by K**-0.5). The tiny interpreter heads have larger outputs, so the
+    bound grows in proportion to the largest output there."""
+    tol = 1e-7 * max(1.0, float(want.abs().max()) / 0.05)
+    return float((got.double() - want).abs().max()) <= tol
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where and at what size a kernel test runs."""
+
+    device: str
+    H: int
+    K: int
+    V: int
+    batches: tuple[int, ...]
+
+
+INTERP = Env("cpu", 2, 16, 16, (3, 5))
+GPU = Env("cuda", 32, 128, 128, (1, 37, 256))
+
+
+def _available(env: Env) -> bool:
+    if env.device == "cuda":
+        return torch.cuda.is_available()
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(params=[pytest.param(INTERP, id="interp"),
+                        pytest.param(GPU, id="gpu", marks=pytest.mark.gpu)])
+def env(request: pytest.FixtureRequest) -> Env:
+    e: Env = request.param
+    if not _available(e):
+        pytest.skip("needs CUDA" if e.device == "cuda" else "needs TRITON_INTERPRET=1")
+    return e
+
+
+def _lens(batch: int, S: int, gen: torch.Generator) -> list[int]:
+    """Mixed query lengths: mostly S+1, some shorter decode rows."""
+    lens = torch.randint(1, S + 2, (batch,), generator=gen).tolist()
+    lens[0] = S + 1
+    return lens
+
+
+def _scattered_slots(n: int, slots: int, gen: torch.Generator) -> torch.Tensor:
+    """Non-contiguous, non-monotonic slot ids."""
+    return torch.randperm(slots, generator=gen)[:n].to(torch.int32)
+
+
+def _f64(b: SpecBatch) -> tuple[torch.Tensor, ...]:
+    return (*(t.to(F64) for t in b.tokens()[:5]), b.A_log.double(), b.dt_bias.double())
+
+
+def _bf16_ok(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within one bf16 ulp of the exact value (plus a tiny absolute floor)."""
+    tol = want.abs() * 2.0**-7 + 1e-6
+    return bool(((got.double() - want).abs() <= tol).all())
+
+
+def _run_step(env: Env, S: int, batch: int, lb: float | None, act: torch.dtype, seed: int,
+              accept: list[int] | None = None, gate_shift: float = 0.0,
+              state_pool: torch.Tensor | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    lens = _lens(batch, S, gen)
+    b = make_batch(lens, env.H, env.K, env.V, device=env.device, act_dtype=act, seed=seed,
+                   gate_shift=gate_shift)
+    slots = 2 * batch + 3
+    if state_pool is None:
+        state_pool = make_state(slots, env.H, env.V, env.K, device=env.device, seed=seed)
+    idx = _scattered_slots(batch, state_pool.shape[0], gen)
+    idx[batch // 2] = -1 if batch > 2 else idx[batch // 2]  # one null row
+    idx = idx.to(env.device)
+    W = S + 1
+    corr = torch.zeros(batch, env.H, W, env.V, device=env.device)
+    kg = torch.zeros(batch, env.H, W, 2 * env.K, dtype=act, device=env.device)
+    if accept is None:
+        accept = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens]
+    return b, lens, state_pool, idx, corr, kg, accept
+
+
+@pytest.mark.parametrize("S", [1, 3, 7])
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_verify_and_commit_match_float64(env: Env, S: int, lb: float | None, act: torch.dtype):
+    for batch in env.batches:
+        b, lens, pool, idx, corr, kg, accept = _run_step(env, S, batch, lb, act, seed=S + batch)
+        ref_pool = pool.double()
+        ref_corr = corr.double()
+        ref_kg = kg.double()
+        before = pool.clone()
+        out = ops.verify_recovery(*b.tokens(), pool, idx, b.query_start_loc.to(env.device),
+                                  corr, kg, lower_bound=lb, backend="triton")
+        assert torch.equal(pool, before), "verify must not write the checkpoint"
+        ref_out = ops.verify_recovery(*_f64(b), ref_pool, idx, b.query_start_loc.to(env.device),
+                                      ref_corr, ref_kg, lower_bound=lb, backend="reference")
+        if act == torch.float32:
+            assert _fp32_out_ok(out, ref_out)
+        else:
+            assert _bf16_ok(out, ref_out)
+        plan = ops.CommitPlan(idx, torch.tensor(accept, dtype=torch.int32, device=env.device))
+        ops.commit(pool, corr, kg, b.A_log, b.dt_bias, plan, lower_bound=lb, backend="triton")
+        ops.commit(ref_pool, ref_corr, ref_kg, b.A_log.double(), b.dt_bias.double(), plan,
+                   lower_bound=lb, backend="reference")
+        assert (pool.double() - ref_pool).abs().max() <= STATE_TOL
+
+
+def test_wrong_accept_count_fails_the_commit_check(env: Env):
+    """Negative control: committing one token too many is caught by the same check."""
+    b, lens, pool, idx, corr, kg, _ = _run_step(env, 3, env.batches[0], -5.0, torch.float32,
+                                                seed=11, accept=None)
+    accept = [max(n - 1, 0) for n in lens]
+    wrong = [a + 1 for a in accept]
+    qsl = b.query_start_loc.to(env.device)
+    ref_pool = pool.double()
+    ref_corr, ref_kg = corr.double(), kg.double()
+    ops.verify_recovery(*b.tokens(), pool, idx, qsl, corr, kg, lower_bound=-5.0, backend="triton")
+    ops.verify_recovery(*_f64(b), ref_pool, idx, qsl, ref_corr, ref_kg, lower_bound=-5.0,
+                        backend="reference")
+    dev = env.device
+    ops.commit(pool, corr, kg, b.A_log, b.dt_bias,
+               ops.CommitPlan(idx, torch.tensor(wrong, dtype=torch.int32, device=dev)),
+               lower_bound=-5.0, backend="triton")
+    ops.commit(ref_pool, ref_corr, ref_kg, b.A_log.double(), b.dt_bias.double(),
+               ops.CommitPlan(idx, torch.tensor(accept, dtype=torch.int32, device=dev)),
+               lower_bound=-5.0, backend="reference")
+    assert (pool.double() - ref_pool).abs().max() > 100 * STATE_TOL
+
+
+@pytest.mark.parametrize("S", [1, 3, 7])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_commit_n_equals_full_state_column_n(env: Env, S: int, act: torch.dtype):
+    batch = env.batches[-1]
+    gen = torch.Generator().manual_seed(100 + S)
+    lens = _lens(batch, S, gen)
+    W = S + 1
+    b = make_batch(lens, env.H, env.K, env.V, device=env.device, act_dtype=act, seed=S)
+    dev = env.device
+    qsl = b.query_start_loc.to(dev)
+    base = make_state(batch, env.H, env.V, env.K, device=dev, seed=S)
+    n_prev = torch.randint(1, W + 1, (batch,), generator=gen)
+    cols = torch.randperm(batch * W + 4, generator=gen)[: batch * W].view(batch, W)
+    pool = torch.zeros(batch * W + 4, env.H, env.V, env.K, device=dev)
+    for i in range(batch):
+        pool[cols[i, n_prev[i] - 1]] = base[i]
+    cols_d = cols.to(torch.int32).to(dev)
+    out_full = ops.verify_full(*b.tokens(), pool, cols_d, n_prev.to(torch.int32).to(dev), qsl,
+                               lower_bound=-5.0, backend="triton")
+    ref_pool = torch.zeros_like(pool, dtype=F64)
+    for i in range(batch):
+        ref_pool[cols[i, n_prev[i] - 1]] = base[i].double()
+    ref_out = ops.verify_full(*_f64(b), ref_pool, cols_d, n_prev.to(torch.int32).to(dev), qsl,
+                              lower_bound=-5.0, backend="reference")
+    if act == torch.float32:
+        assert _fp32_out_ok(out_full, ref_out)
+    else:
+        assert _bf16_ok(out_full, ref_out)
+    idx = torch.arange(batch, dtype=torch.int32, device=dev)
+    corr = torch.zeros(batch, env.H, W, env.V, device=dev)
+    kg = torch.zeros(batch, env.H, W, 2 * env.K, dtype=act, device=dev)
+    out_rec = ops.verify_recovery(*b.tokens(), base, idx, qsl, corr, kg, lower_bound=-5.0,
+                                  backend="triton")
+    assert torch.equal(out_rec, out_full)
+    for n in range(1, W + 1):
+        committed = base.clone()
+        accept = torch.tensor([min(n, x) for x in lens], dtype=torch.int32, device=dev)
+        ops.commit(committed, corr, kg, b.A_log, b.dt_bias, ops.CommitPlan(idx, accept),
+                   lower_bound=-5.0, backend="triton")
+        for i in range(batch):
+            col = cols[i, int(accept[i]) - 1]
+            assert (committed[i] - pool[col]).abs().max() <= STATE_TOL
+            assert (pool[col].double() - ref_pool[col]).abs().max() <= STATE_TOL
+
+
+def test_drift_over_16_windows_with_weak_decay(env: Env):
+    """16 consecutive spec windows (verify + commit of a random count) stay on the oracle."""
+    S, batch = 3, env.batches[0]
+    pool = make_state(2 * batch + 3, env.H, env.V, env.K, device=env.device, seed=5)
+    ref_pool = pool.double()
+    gen = torch.Generator().manual_seed(9)
+    idx = _scattered_slots(batch, pool.shape[0], gen).to(env.device)
+    for window in range(16):
+        lens = _lens(batch, S, gen)
+        b = make_batch(lens, env.H, env.K, env.V, device=env.device, seed=1000 + window,
+                       gate_shift=-8.0)
+        qsl = b.query_start_loc.to(env.device)
+        W = S + 1
+        corr = torch.zeros(batch, env.H, W, env.V, device=env.device)
+        kg = torch.zeros(batch, env.H, W, 2 * env.K, device=env.device)
+        rc, rk = corr.double(), kg.double()
+        ops.verify_recovery(*b.tokens(), pool, idx, qsl, corr, kg, lower_bound=-5.0,
+                            backend="triton")
+        ops.verify_recovery(*_f64(b), ref_pool, idx, qsl, rc, rk, lower_bound=-5.0,
+                            backend="reference")
+        accept = torch.tensor([int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens],
+                              dtype=torch.int32, device=env.device)
+        plan = ops.CommitPlan(idx, accept)
+        ops.commit(pool, corr, kg, b.A_log, b.dt_bias, plan, lower_bound=-5.0, backend="triton")
+        ops.commit(ref_pool, rc, rk, b.A_log.double(), b.dt_bias.double(), plan,
+                   lower_bound=-5.0, backend="reference")
+    assert (pool.double() - ref_pool).abs().max() <= STATE_TOL
+
+
+def test_multi_layer_commit_with_paged_layout_and_boundaries(env: Env):
+    """One launch over several layers whose pools are strided views of bigger pages,
+    with records addressed inside pages, final slots elsewhere and align boundaries."""
+    L, S, batch = 3, 3, env.batches[0]
+    H, K, V, W = env.H, env.K, env.V, S + 1
+    dev = env.device
+    slots = 3 * batch + 2
+    gen = torch.Generator().manual_seed(21)
+    pages = [torch.randn(slots, H * V * K + 64, generator=gen).mul_(0.1).to(dev)
+             for _ in range(L)]
+    states = [p[:, : H * V * K].view(slots, H, V, K) for p in pages]
+    corrs = [torch.randn(slots, H, W, V, generator=gen).to(dev) for _ in range(L)]
+    kgs = [torch.randn(slots, H, W, 2 * K, generator=gen).to(dev) for _ in range(L)]
+    A_log = torch.randn(L, H, generator=gen).mul_(0.5).to(dev)
+    dt_bias = torch.randn(L, H, K, generator=gen).mul_(0.5).to(dev)
+    perm = torch.randperm(slots, generator=gen)
+    src = perm[:batch].to(torch.int32)
+    final = perm[batch: 2 * batch].to(torch.int32)
+    bound = perm[2 * batch: 3 * batch].to(torch.int32)
+    clen = torch.randint(0, W + 1, (batch,), generator=gen).to(torch.int32)
+    blen = torch.clamp(clen - 1, min=1).to(torch.int32)
+    bound = torch.where(clen >= 1, bound, torch.full_like(bound, -1))
+    bound[0] = -1
+    plan = ops.CommitPlan(src.to(dev), clen.to(dev), final.to(dev), bound.to(dev), blen.to(dev))
+    ridx = src.to(dev)  # records inside the source page (vLLM's layout)
+    ref_states = [s.double() for s in states]
+    ops.commit(states, corrs, kgs, A_log, dt_bias, plan, lower_bound=-5.0,
+               record_indices=ridx, backend="triton")
+    ops.commit(ref_states, [c.double() for c in corrs], [k.double() for k in kgs],
+               A_log.double(), dt_bias.double(), plan, lower_bound=-5.0, record_indices=ridx,
+               backend="reference")
+    for s, r in zip(states, ref_states, strict=True):
+        assert (s.double() - r).abs().max() <= STATE_TOL
+    for p in pages:  # the page padding is never touched
+        assert torch.isfinite(p[:, H * V * K:]).all()
+
+
+@pytest.mark.parametrize("S", [1, 3, 7])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_conv_update_and_compaction_match_reference(env: Env, S: int, act: torch.dtype):
+    Kc = 4
+    C = 3 * env.H * env.K if env.device == "cuda" else 40
+    batch = env.batches[-1]
+    gen = torch.Generator().manual_seed(S)
+    lens = _lens(batch, S, gen)
+    T = sum(lens)
+    dev = env.device
+    x = torch.randn(T, C, generator=gen).to(act).to(dev)
+    w = torch.randn(C, Kc, generator=gen).to(act).to(dev)
+    bias = torch.randn(C, generator=gen).to(act).to(dev)
+    conv = torch.randn(2 * batch + 1, C, Kc - 1 + S, generator=gen).to(act).to(dev)
+    idx = _scattered_slots(batch, conv.shape[0], gen)
+    idx[-1] = -1
+    idx = idx.to(dev)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                       device=dev)
+    offs = torch.randint(0, S + 1, (batch,), generator=gen).to(torch.int32).to(dev)
+    c1, c2 = conv.clone(), conv.clone()
+    y1 = ops.conv_update(x, c1, w, bias, idx, qsl, conv_offsets=offs, backend="triton")
+    y2 = ops.conv_update(x, c2, w, bias, idx, qsl, conv_offsets=offs, backend="reference")
+    if act == torch.float32:
+        assert (y1 - y2).abs().max() <= 1e-5
+    else:
+        assert _bf16_ok(y1, y2.double())
+    assert torch.equal(c1, c2)
+    accept = torch.tensor([int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens],
+                          dtype=torch.int32, device=dev)
+    final = torch.randperm(conv.shape[0], generator=gen)[:batch].to(torch.int32).to(dev)
+    plan = ops.CommitPlan(idx, accept, final_indices=torch.where(idx >= 0, idx, final))
+    ops.conv_compact([c1, c1.clone()], plan, kernel_width=Kc, backend="triton")
+    ops.conv_compact(c2, plan, kernel_width=Kc, backend="reference")
+    assert torch.equal(c1, c2)
