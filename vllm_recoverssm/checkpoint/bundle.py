@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from .identity import ScalarValue, check_tokens
-from .tensors import dtype_name
+from .tensors import as_bytes, dtype_name
 
 Boundary = Literal["prompt", "response"]
 BOUNDARIES: tuple[str, ...] = ("prompt", "response")
@@ -118,7 +118,7 @@ class RequestCheckpoint:
         if [(a, b) for a, b, _ in mine] != [(a, b) for a, b, _ in theirs]:
             return False
         return all(
-            x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.cpu(), y.cpu())
+            x.dtype == y.dtype and x.shape == y.shape and torch.equal(as_bytes(x), as_bytes(y))
             for (_, _, x), (_, _, y) in zip(mine, theirs, strict=True)
         )
 

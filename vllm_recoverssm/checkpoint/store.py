@@ -180,18 +180,26 @@ class CheckpointStore:
         if raw is None:
             return None
         try:
-            return manifest_from_bytes(raw.numpy().tobytes())
+            manifest = manifest_from_bytes(raw.numpy().tobytes())
         except BundleFormatError:
             return None
+        if (manifest.identity_digest, manifest.prefix_digest, manifest.num_tokens) != (
+            self._namespace,
+            mkey.prefix_digest,
+            mkey.num_tokens,
+        ):
+            return None
+        return manifest
 
     def _load(self, tokens: tuple[int, ...], digest: str) -> RequestCheckpoint | None:
         n = len(tokens)
         mkey = self._manifest_key(n, digest)
         raw = self._objects.get(mkey)
-        if raw is None:
-            return None  # removed between contains() and get(): an ordinary miss
         manifest: Manifest | None = None
         try:
+            if raw is None:
+                # listed but unreadable: LMCache refuses a short or malformed object
+                raise BundleFormatError("the manifest is listed but cannot be read")
             manifest = manifest_from_bytes(raw.numpy().tobytes())
             if manifest.identity_digest != self._namespace:
                 raise BundleFormatError(
@@ -205,7 +213,9 @@ class CheckpointStore:
             for i in range(len(manifest.chunks)):
                 c = self._objects.get(self._chunk_key(n, digest, manifest.bundle_id, i))
                 if c is None:
-                    raise BundleFormatError(f"part {i} of {len(manifest.chunks)} is missing")
+                    raise BundleFormatError(
+                        f"part {i} of {len(manifest.chunks)} is missing or unreadable"
+                    )
                 chunks.append(c)
             ck = decode(manifest, chunks)
             if ck.tokens != tokens:
@@ -224,7 +234,7 @@ class CheckpointStore:
                 # RAM bundles lose parts to eviction; drop the rest so it is not retried.
                 self._drop(n, digest, manifest)
             return None
-        assert manifest is not None  # set before anything above could succeed
+        assert manifest is not None and raw is not None  # set before anything could succeed
         self.stats.bytes_read += len(raw) + manifest.total_bytes
         return ck
 

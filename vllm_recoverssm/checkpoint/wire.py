@@ -217,14 +217,14 @@ def decode(manifest: Manifest, chunks: list[torch.Tensor]) -> RequestCheckpoint:
     building any tensor if a chunk is missing, has the wrong size or the wrong checksum.
     """
     if len(chunks) != len(manifest.chunks):
-        raise BundleFormatError(f"{len(chunks)} chunks, manifest names {len(manifest.chunks)}")
+        raise BundleFormatError(f"{len(chunks)} parts, manifest names {len(manifest.chunks)}")
     for i, (c, entry) in enumerate(zip(chunks, manifest.chunks, strict=True)):
         if c.dtype != torch.uint8 or c.dim() != 1 or c.numel() != entry.nbytes:
             raise BundleFormatError(
-                f"chunk {i}: {c.numel()} bytes of {c.dtype}, manifest says {entry.nbytes} uint8"
+                f"part {i}: {c.numel()} bytes of {c.dtype}, manifest says {entry.nbytes} uint8"
             )
         if _sha256(c.contiguous()) != entry.sha256:
-            raise BundleFormatError(f"chunk {i}: checksum mismatch")
+            raise BundleFormatError(f"part {i}: checksum mismatch")
     payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
     tokens: tuple[int, ...] = ()
     logits: torch.Tensor | None = None

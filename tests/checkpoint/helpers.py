@@ -1,0 +1,61 @@
+"""Checkpoints and identities for the checkpoint tests (also imported by the worker script)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_recoverssm.checkpoint import LayoutIdentity, RequestCheckpoint
+
+
+def make_identity(**changes: object) -> LayoutIdentity:
+    """A small GLM-5.3-shaped layout identity; keyword arguments change single fields."""
+    fields: dict[str, object] = dict(
+        model="toy-glm5next",
+        revision="seed-0",
+        dtypes={"state": "float32", "conv": "bfloat16", "kv": "bfloat16", "logits": "float32"},
+        layout="reference",
+        layout_version=1,
+        tp_rank=0,
+        tp_size=1,
+        num_speculative_tokens=3,
+        mode="recovery",
+        extra={"block_size": 16},
+    )
+    fields.update(changes)
+    return LayoutIdentity(**fields)  # type: ignore[arg-type]
+
+
+def make_tokens(n: int, seed: int = 0) -> tuple[int, ...]:
+    """``n`` deterministic token ids."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return tuple(int(t) for t in torch.randint(0, 50_000, (n,), generator=g))
+
+
+def make_checkpoint(
+    tokens: tuple[int, ...],
+    seed: int = 0,
+    boundary: str = "prompt",
+    has_images: bool = False,
+) -> RequestCheckpoint:
+    """A deterministic checkpoint after ``tokens``: two KDA layers, one attention layer."""
+    g = torch.Generator().manual_seed(seed * 7919 + len(tokens))
+    n = len(tokens)
+    layers = {
+        "layers.0": {
+            "state": torch.randn(2, 8, 8, generator=g),
+            "conv": torch.randn(48, 3, generator=g).to(torch.bfloat16),
+        },
+        "layers.1": {"kv": torch.randn(2, n, 2, 8, generator=g).to(torch.bfloat16)},
+        "layers.2": {
+            "state": torch.randn(2, 8, 8, generator=g),
+            "conv": torch.randn(48, 3, generator=g).to(torch.bfloat16),
+        },
+    }
+    return RequestCheckpoint(
+        tokens=tokens,
+        layers=layers,
+        logits=torch.randn(64, generator=g),
+        boundary=boundary,  # type: ignore[arg-type]
+        has_images=has_images,
+        meta={"num_accepted": 1},
+    )
