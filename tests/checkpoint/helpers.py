@@ -31,6 +31,10 @@ def make_tokens(n: int, seed: int = 0) -> tuple[int, ...]:
     return tuple(int(t) for t in torch.randint(0, 50_000, (n,), generator=g))
 
 
+CRASH_PROMPT = make_tokens(400, seed=4)
+"""The prompt whose write the restart worker's ``crash`` action interrupts."""
+
+
 def make_checkpoint(
     tokens: tuple[int, ...],
     seed: int = 0,
