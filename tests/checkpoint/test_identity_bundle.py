@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +34,9 @@ def test_every_identity_field_changes_the_digest(change: dict) -> None:
 
 
 def test_identity_digest_and_prefix_digest_are_the_same_in_a_fresh_process() -> None:
+    here = str(Path(__file__).parent)
     code = (
-        "import sys; sys.path.insert(0, 'tests/checkpoint'); from helpers import make_identity;"
+        f"import sys; sys.path.insert(0, {here!r}); from helpers import make_identity;"
         "from vllm_recoverssm.checkpoint import prefix_digest;"
         "print(make_identity().digest(), prefix_digest([1, 2, 3]))"
     )
