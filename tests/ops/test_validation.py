@@ -1,0 +1,136 @@
+"""Bad arguments are refused before any launch, with the argument named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_recoverssm import ops
+
+from .helpers import make_batch, make_state
+
+H, K, V, N, W = 2, 8, 8, 3, 4
+
+
+def _args(**over):
+    b = make_batch([W, 2, 1], H, K, V)
+    a = dict(
+        q=b.q, k=b.k, v=b.v, raw_g=b.raw_g, raw_beta=b.raw_beta, A_log=b.A_log,
+        dt_bias=b.dt_bias, state=make_state(6, H, V, K),
+        state_indices=torch.tensor([0, 3, 5], dtype=torch.int32),
+        query_start_loc=b.query_start_loc,
+        corrections=torch.zeros(N, H, W, V), kg=torch.zeros(N, H, W, 2 * K),
+    )
+    a.update(over)
+    return a
+
+
+def _verify(**over):
+    a = _args(**over)
+    return ops.verify_recovery(
+        a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+        a["state"], a["state_indices"], a["query_start_loc"], a["corrections"], a["kg"],
+        lower_bound=-5.0, record_indices=a.get("record_indices"),
+    )
+
+
+def test_valid_arguments_pass():
+    _verify()
+
+
+@pytest.mark.parametrize("over, pattern", [
+    (dict(state=make_state(6, H, V, K).half()), r"'state': expected dtype .*float32.*got float16"),
+    (dict(q=torch.zeros(7, H, K, dtype=torch.float64)),
+     r"'k': expected dtype float64, got float32"),
+    (dict(v=torch.zeros(7, H, V + 1)), r"'v': expected shape \[7, 2, 8\], got \[7, 2, 9\]"),
+    (dict(q=torch.zeros(7, H, K + 8), k=torch.zeros(7, H, K + 8)),
+     r"'q': expected shape \[7, 2, 8\] to match state heads and key dim"),
+    (dict(state=make_state(6, H, V, K).transpose(2, 3)), r"'state': expected the last 3 dim"),
+    (dict(corrections=torch.zeros(N, H, 9, V), kg=torch.zeros(N, H, 9, 2 * K)),
+     r"'corrections': .*S in 1..7, got 9 columns \(S = 8\)"),
+    (dict(corrections=torch.zeros(N, H, 1, V), kg=torch.zeros(N, H, 1, 2 * K)),
+     r"S in 1..7, got 1 columns \(S = 0\)"),
+    (dict(state_indices=torch.tensor([0, 6, 1], dtype=torch.int32)),
+     r"'state_indices': index 6 is out of range, expected 0..5"),
+    (dict(state_indices=torch.tensor([0, 1, 2], dtype=torch.float32)),
+     r"'state_indices': expected dtype one of int32, int64, got float32"),
+    (dict(A_log=torch.zeros(H + 1)), r"'A_log': expected shape \[2\], got \[3\]"),
+    (dict(query_start_loc=torch.tensor([0, 5, 6, 7], dtype=torch.int32)),
+     r"'query_start_loc': a request has 5 tokens, expected at most 4"),
+    (dict(query_start_loc=torch.tensor([0, 3, 2, 7], dtype=torch.int32)),
+     r"'query_start_loc': expected non-decreasing"),
+    (dict(corrections=torch.zeros(2, H, W, V), kg=torch.zeros(2, H, W, 2 * K)),
+     r"'corrections': expected at least 3 record rows"),
+    (dict(record_indices=torch.tensor([0, 1, 3], dtype=torch.int32)),
+     r"'record_indices': index 3 is out of range"),
+    (dict(q=torch.zeros(7, H, K, device="meta"), k=torch.zeros(7, H, K, device="meta")),
+     r"'q': expected a tensor on cpu, got one on meta"),
+])
+def test_bad_verify_argument_is_named(over, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _verify(**over)
+
+
+def test_bad_commit_plan_is_named():
+    st = make_state(6, H, V, K)
+    corr, kg = torch.zeros(N, H, W, V), torch.zeros(N, H, W, 2 * K)
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32)
+    A, dtb = torch.zeros(H), torch.zeros(H, K)
+    with pytest.raises(ValueError, match=r"'plan.commit_lens': expected values in 0..4"):
+        ops.commit(st, corr, kg, A, dtb,
+                   ops.CommitPlan(idx, torch.tensor([1, 5, 0], dtype=torch.int32)),
+                   lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"'plan.final_indices': index 9 is out of range"):
+        ops.commit(st, corr, kg, A, dtb,
+                   ops.CommitPlan(idx, torch.ones(3, dtype=torch.int32),
+                                  final_indices=torch.tensor([0, 9, 1], dtype=torch.int32)),
+                   lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"1 <= boundary_len <= commit_len"):
+        ops.commit(st, corr, kg, A, dtb,
+                   ops.CommitPlan(idx, torch.ones(3, dtype=torch.int32),
+                                  boundary_indices=torch.tensor([4, -1, -1], dtype=torch.int32),
+                                  boundary_lens=torch.tensor([2, 0, 0], dtype=torch.int32)),
+                   lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"'corrections'/'kg': expected 2 layers"):
+        ops.commit([st, st], [corr], [kg], A, dtb,
+                   ops.CommitPlan(idx, torch.ones(3, dtype=torch.int32)), lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"'lower_bound': expected a negative bound"):
+        ops.commit(st, corr, kg, A, dtb,
+                   ops.CommitPlan(idx, torch.ones(3, dtype=torch.int32)), lower_bound=5.0)
+
+
+def test_bad_full_state_and_conv_arguments_are_named():
+    b = make_batch([W, 2, 1], H, K, V)
+    st = make_state(12, H, V, K)
+    cols = torch.arange(12, dtype=torch.int32).view(N, W)
+    with pytest.raises(ValueError, match=r"'num_accepted': expected values in 1..4"):
+        ops.verify_full(*b.tokens(), st, cols, torch.tensor([0, 1, 1], dtype=torch.int32),
+                        b.query_start_loc, lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"'state_indices': expected shape \[N, S\+1\]"):
+        ops.verify_full(*b.tokens(), st, cols[:, 0].contiguous(), torch.ones(3, dtype=torch.int32),
+                        b.query_start_loc, lower_bound=-5.0)
+    conv = torch.zeros(4, 6, 6)
+    x = torch.zeros(7, 6)
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"'weight': expected shape \[6, \*\]"):
+        ops.conv_update(x, conv, torch.zeros(5, 4), None, idx, b.query_start_loc)
+    with pytest.raises(ValueError, match=r"'conv_offsets': expected values in 0..3"):
+        ops.conv_update(x, conv, torch.zeros(6, 4), None, idx, b.query_start_loc,
+                        conv_offsets=torch.tensor([0, 4, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"'activation': expected 'silu' or None"):
+        ops.conv_update(x, conv, torch.zeros(6, 4), None, idx, b.query_start_loc,
+                        activation="gelu")
+    with pytest.raises(ValueError, match=r"'backend': expected one of"):
+        ops.conv_update(x, conv, torch.zeros(6, 4), None, idx, b.query_start_loc,
+                        backend="cuda")
+
+
+def test_rejected_call_leaves_buffers_untouched():
+    a = _args()
+    corr = torch.full((N, H, W, V), 3.0)
+    state = a["state"].clone()
+    with pytest.raises(ValueError):
+        _verify(corrections=corr, state=state,
+                state_indices=torch.tensor([0, 1, 99], dtype=torch.int32))
+    assert (corr == 3.0).all()
+    assert torch.equal(state, a["state"])
