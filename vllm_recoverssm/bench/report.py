@@ -1,0 +1,180 @@
+"""The report: text tables for stdout, speed targets, and the JSON file."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .grid import MIB
+from .runner import OP_TITLES, OPS, RATIOS
+
+SHORT = {"fla_full": "fla", "ours_full": "ours-full", "verify": "verify",
+         "commit_all": "commit-all", "commit_2": "commit-2", "total_all": "total-all",
+         "total_2": "total-2"}
+RATIO_SHORT = {"total_all/fla": "all/fla", "total_2/fla": "2/fla",
+               "total_all/ours_full": "all/ours", "total_2/ours_full": "2/ours"}
+
+# The issue's targets on an H200 (ratios against fla-core from the same run).
+RATIO_TARGET_LARGE = {3: 0.60, 7: 0.40}  # batch >= 32
+RATIO_TARGET_SMALL = 1.0  # batch 1 and 8
+BANDWIDTH_TARGET = 0.75  # of the copy roof, verify and each commit, batch >= 128
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x == 0:
+        return "0"
+    mag = int(math.floor(math.log10(abs(x))))
+    decimals = max(0, digits - 1 - mag)
+    return f"{x:.{decimals}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    line = "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return out
+
+
+def _present_ops(report: dict[str, Any]) -> list[str]:
+    seen = {n for r in report["rows"] for n in (*r["ops"], *r["skipped"])}
+    return [n for n in OPS if n in seen]
+
+
+def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Check every row against the issue's speed targets; one entry per applicable check."""
+    out: list[dict[str, Any]] = []
+    for r in report["rows"]:
+        S, B, L = r["num_spec"], r["batch"], r["layers"]
+        where = {"num_spec": S, "batch": B, "layers": L}
+        limit = None
+        if B >= 32:
+            limit = RATIO_TARGET_LARGE.get(S)
+        elif B in (1, 8):
+            limit = RATIO_TARGET_SMALL
+        if limit is not None:
+            for key in ("total_all/fla", "total_2/fla"):
+                value = r["ratios"].get(key)
+                if value is not None:
+                    out.append({**where, "check": key, "value": value, "limit": limit,
+                                "met": value <= limit})
+        if B >= 128:
+            for name in ("verify", "commit_all", "commit_2"):
+                if name in r["ops"]:
+                    value = r["ops"][name]["roof_frac"]
+                    out.append({**where, "check": f"{name} roof fraction", "value": value,
+                                "limit": BANDWIDTH_TARGET, "met": value >= BANDWIDTH_TARGET})
+    return out
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """All tables as text: times and ratios, bandwidth, bytes, memory, targets."""
+    m, roof = report["machine"], report["roof"]
+    ops = _present_ops(report)
+    lines = [
+        f"recoverssm bench ({report['mode']}) on {m['device']}, {report['date']}",
+        f"command: {report['command']}",
+        f"torch {m['torch']}, triton {m.get('triton')}, fla-core {m.get('fla_core') or '-'}; "
+        f"H={report['shape']['heads']} K=V={report['shape']['head_dim_k']} "
+        f"{report['shape']['act_dtype']} inputs, FP32 state, lower bound "
+        f"{report['shape']['lower_bound']}, backend {report['shape']['backend']}",
+        f"timing: {report['method']['timing']}; warm-up {report['method']['warmup']}, "
+        f"reps {report['method']['reps']}, flush {report['method']['flush_bytes'] / MIB:g} MiB",
+        f"roof: device-to-device copy of {roof['bytes'] / 2 / MIB:g} MiB moved "
+        f"{_fmt(roof['gbps'])} GB/s (read + write) in {_fmt(roof['ms'])} ms",
+        "",
+        "Time per step (ms, median); ratios = recovery verify + commit over full-state verify",
+    ]
+    head = ["S", "B", "L", *(SHORT[n] for n in ops), *RATIO_SHORT.values()]
+    rows = []
+    for r in report["rows"]:
+        cells = [str(r["num_spec"]), str(r["batch"]), str(r["layers"])]
+        cells += [_fmt(r["ops"][n]["ms"]) if n in r["ops"] else "-" for n in ops]
+        cells += [_fmt(r["ratios"].get(k), 3) for k, _, _ in RATIOS]
+        rows.append(cells)
+    lines += _table(head, rows)
+
+    lines += ["", "Achieved bandwidth, GB/s (percent of the copy roof)"]
+    head = ["S", "B", "L", *(SHORT[n] for n in ops)]
+    rows = []
+    for r in report["rows"]:
+        cells = [str(r["num_spec"]), str(r["batch"]), str(r["layers"])]
+        for n in ops:
+            e = r["ops"].get(n)
+            cells.append(f"{_fmt(e['gbps'])} ({100 * e['roof_frac']:.0f}%)" if e else "-")
+        rows.append(cells)
+    lines += _table(head, rows)
+
+    lines += ["", "Unique bytes per step (MiB; accounting in vllm_recoverssm.bench.accounting)"]
+    rows = []
+    for r in report["rows"]:
+        cells = [str(r["num_spec"]), str(r["batch"]), str(r["layers"])]
+        cells += [_fmt(r["ops"][n]["bytes"] / MIB) if n in r["ops"] else "-" for n in ops]
+        rows.append(cells)
+    lines += _table(head, rows)
+
+    lines += ["", "State bytes per request (MiB): allocated by this run / DESIGN.md section 3 "
+              "formula; recovery = checkpoint + records scratch row"]
+    head = ["S", "B", "L", "full alloc", "full formula", "recovery alloc", "recovery formula",
+            "full/recovery", "pools full/rec"]
+    rows = []
+    for r in report["rows"]:
+        mem = r["memory"]
+        fa, ra = mem["full_alloc"], mem["recovery_alloc"]
+        saving = fa / ra if fa and ra else None
+        rows.append([
+            str(r["num_spec"]), str(r["batch"]), str(r["layers"]),
+            _fmt(fa / MIB) if fa else "-", _fmt(mem["full_design"] / MIB),
+            _fmt(ra / MIB) if ra else "-", _fmt(mem["recovery_design"] / MIB),
+            _fmt(saving, 3), f"{r['distinct_pools']['full']}/{r['distinct_pools']['recovery']}",
+        ])
+    lines += _table(head, rows)
+
+    targets = evaluate_targets(report)
+    lines += [""]
+    if targets:
+        met = sum(t["met"] for t in targets)
+        scope = " (smoke shapes: not meaningful)" if report["mode"] == "smoke" else ""
+        lines.append(f"Targets met: {met}/{len(targets)}{scope}")
+        for t in targets:
+            if not t["met"]:
+                lines.append(f"  missed: S={t['num_spec']} B={t['batch']} L={t['layers']} "
+                             f"{t['check']} = {_fmt(t['value'], 3)} (limit {t['limit']})")
+    else:
+        lines.append("Targets: none applicable (no peer column or no matching batch)")
+    checks = [(r["num_spec"], r["batch"], r["peer_check"]) for r in report["rows"]
+              if "peer_check" in r]
+    for S, B, c in checks:
+        lines.append(f"peer check S={S} B={B} layer 0: ours vs fla-core max |d out| "
+                     f"{c['max_abs_out']:.2e} (|out| max {c['max_abs_out_ref']:.2e}), "
+                     f"max |d state| {c['max_abs_state']:.2e}")
+    row_notes = [f"S={r['num_spec']} B={r['batch']} L={r['layers']}: {n}"
+                 for r in report["rows"] for n in r["notes"]]
+    row_notes += [f"S={r['num_spec']} B={r['batch']} L={r['layers']}: {n} skipped: {why}"
+                  for r in report["rows"] for n, why in r["skipped"].items()]
+    for n in [*report["notes"], *row_notes]:
+        lines.append(f"note: {n}")
+    lines += ["", "ops: " + "; ".join(f"{SHORT[n]} = {OP_TITLES[n]}" for n in ops)]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    """Write the report with its target checks as indented JSON."""
+    doc = _finite({**report, "targets": evaluate_targets(report)})
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def _finite(x: Any) -> Any:
+    """Non-finite floats become null, so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
