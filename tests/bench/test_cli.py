@@ -154,3 +154,14 @@ def test_reference_backend_is_smoke_only(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_ops_order_lists_every_measured_op() -> None:
     assert OPS[0] == "fla_full" and set(RECOVERY_OPS) < set(OPS)
+
+
+def test_module_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_recoverssm.bench.__main__ import main as bench_main
+
+    assert bench_main(["--smoke", "--layers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recoverssm bench: error: argument --layers")
+    assert bench_main(["--smoke", "--no-progress", "--num-spec", "3", "--batch", "1",
+                       "--layers", "1", "--reps", "1"]) == 0
+    assert "Time per step" in capsys.readouterr().out
