@@ -165,3 +165,19 @@ def test_module_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["--smoke", "--no-progress", "--num-spec", "3", "--batch", "1",
                        "--layers", "1", "--reps", "1"]) == 0
     assert "Time per step" in capsys.readouterr().out
+
+
+def test_a_failing_op_is_a_skipped_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    def broken(*_: object) -> dict[str, object]:
+        return {"ours_full": lambda: 1 / 0}
+
+    monkeypatch.setattr(wl, "full_ops", broken)
+    js = tmp_path / "b.json"
+    code, out, _ = _run(["bench", "--smoke", "--no-progress", "--num-spec", "3", "--batch", "1",
+                         "--layers", "1", "--reps", "1", "--json", str(js)], capsys)
+    assert code == 0
+    row = json.loads(js.read_text())["rows"][0]
+    assert row["skipped"]["ours_full"].startswith("ZeroDivisionError")
+    assert set(row["ops"]) == set(RECOVERY_OPS) and row["ratios"]["total_all/ours_full"] is None
+    assert "ours_full skipped: ZeroDivisionError" in out

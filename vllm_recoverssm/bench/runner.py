@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import platform
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -15,7 +16,7 @@ from . import workload as wl
 from .grid import GIB, LOWER_BOUND, METHOD_MIN_REPS, MIB, BenchConfig
 from .peer import load_peer
 from .progress import Progress
-from .timing import Timer, Timing, make_timer, measure_roof
+from .timing import Op, Timer, Timing, make_timer, measure_roof
 
 # Column order of every table and plot.
 OPS: tuple[str, ...] = ("fla_full", "ours_full", "verify", "commit_all", "commit_2",
@@ -107,6 +108,30 @@ def _ratios(ops: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def _measure_mode(row: dict[str, Any], names: list[str], label: str, progress: Progress,
+                  timer: Timer, build: Callable[[], dict[str, Op]],
+                  entry: Callable[[str, Timing], dict[str, Any]]) -> None:
+    """Build one mode's ops, then time each; an error skips the op (or the mode), noted."""
+    try:
+        fns = build()
+    except Exception as exc:  # noqa: BLE001 - report it in the row, keep measuring the rest
+        for n in names:
+            progress.step(f"{label} {n} (failed)")
+            row["skipped"][n] = _why(exc)
+        return
+    for n in names:
+        progress.step(f"{label} {n}")
+        try:
+            row["ops"][n] = entry(n, timer.measure(fns[n]))
+        except Exception as exc:  # noqa: BLE001 - same: one failing op is a skipped cell
+            row["skipped"][n] = _why(exc)
+
+
 def _point(cfg: BenchConfig, timer: Timer, S: int, B: int, L: int, budget: int,
            roof_gbps: float, fla: Any, progress: Progress,
            check_peer: bool) -> dict[str, Any]:
@@ -117,8 +142,11 @@ def _point(cfg: BenchConfig, timer: Timer, S: int, B: int, L: int, budget: int,
     pool_budget = budget - step.input_bytes
     row: dict[str, Any] = {"num_spec": S, "batch": B, "layers": L, "ops": {}, "skipped": {},
                            "notes": []}
-    ops: dict[str, dict[str, Any]] = row["ops"]
     label = f"S={S} B={B} L={L}"
+    mem: dict[str, int | None] = {"full_alloc": None, "recovery_alloc": None}
+
+    def entry(name: str, timing: Timing) -> dict[str, Any]:
+        return _entry(name, timing, shape, B, L, roof_gbps)
 
     # full-state mode: ours and the peer share the pools (the same layout and contract)
     full_names = [n for n in ("fla_full", "ours_full") if n != "fla_full" or fla is not None]
@@ -133,15 +161,18 @@ def _point(cfg: BenchConfig, timer: Timer, S: int, B: int, L: int, budget: int,
             row["notes"].append(
                 f"full-state: {L} layers take turns over {num_full} distinct pools of "
                 f"{wl.full_pool_bytes(shape, B) / GIB:.2f} GiB (memory budget)")
-        full = wl.make_full_pools(step, num_full, cfg.seed)
-        if check_peer and fla is not None:
-            row["peer_check"] = wl.peer_agreement(step, full, fla)
-        fops = wl.full_ops(step, full, fla)
-        for n in full_names:
-            progress.step(f"{label} {n}")
-            ops[n] = _entry(n, timer.measure(fops[n]), shape, B, L, roof_gbps)
-        row["memory_full"] = full.bytes_per_request(B, L)
-        del full, fops
+
+        def build_full() -> dict[str, Op]:
+            full = wl.make_full_pools(step, num_full, cfg.seed)
+            mem["full_alloc"] = full.bytes_per_request(B, L)
+            if check_peer and fla is not None:
+                try:
+                    row["peer_check"] = wl.peer_agreement(step, full, fla)
+                except Exception as exc:  # noqa: BLE001 - the timing may still work
+                    row["notes"].append(f"peer check failed: {_why(exc)}")
+            return wl.full_ops(step, full, fla)
+
+        _measure_mode(row, full_names, label, progress, timer, build_full, entry)
         _free(dev)
 
     # recovery mode: distinct pools for every layer (the commit updates all in one launch)
@@ -152,23 +183,19 @@ def _point(cfg: BenchConfig, timer: Timer, S: int, B: int, L: int, budget: int,
             row["skipped"][n] = "recovery pools of every layer exceed the memory budget"
             progress.step(f"{label} {n} (skipped)")
     else:
-        rec = wl.make_recovery_pools(step, cfg.seed)
-        rops = wl.recovery_ops(step, rec)
-        for n in rec_names:
-            progress.step(f"{label} {n}")
-            ops[n] = _entry(n, timer.measure(rops[n]), shape, B, L, roof_gbps)
-        row["memory_recovery"] = rec.bytes_per_request(B, L)
-        del rec, rops
+        def build_recovery() -> dict[str, Op]:
+            rec = wl.make_recovery_pools(step, cfg.seed)
+            mem["recovery_alloc"] = rec.bytes_per_request(B, L)
+            return wl.recovery_ops(step, rec)
+
+        _measure_mode(row, rec_names, label, progress, timer, build_recovery, entry)
         _free(dev)
     row["memory"] = {
-        "full_alloc": row.pop("memory_full", None),
-        "recovery_alloc": row.pop("memory_recovery", None),
+        **mem,
         "full_design": acc.full_state_bytes_per_request(shape, L),
         "recovery_design": acc.recovery_state_bytes_per_request(shape, L),
     }
-    row["ratios"] = _ratios(ops)
-    del step
-    _free(dev)
+    row["ratios"] = _ratios(row["ops"])
     return row
 
 
@@ -198,6 +225,7 @@ def run(cfg: BenchConfig, progress_enabled: bool = True) -> dict[str, Any]:
     for S, B, L in grid:
         check = peer.available and B == check_batch and L == cfg.layers[0]
         rows.append(_point(cfg, timer, S, B, L, budget, roof_gbps, peer.fwd, progress, check))
+        _free(dev)  # the point's inputs and pools are gone: return their memory
     progress.close()
     return {
         "schema": SCHEMA,
