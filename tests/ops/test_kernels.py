@@ -296,3 +296,21 @@ def test_conv_update_and_compaction_match_reference(env: Env, S: int, act: torch
     ops.conv_compact([c1, c1.clone()], plan, kernel_width=Kc, backend="triton")
     ops.conv_compact(c2, plan, kernel_width=Kc, backend="reference")
     assert torch.equal(c1, c2)
+
+
+def test_prebuilt_tables_are_used_and_checked(env: Env):
+    b, lens, pool, idx, corr, kg, accept = _run_step(env, 3, env.batches[0], -5.0,
+                                                      torch.float32, seed=4)
+    qsl = b.query_start_loc.to(env.device)
+    ops.verify_recovery(*b.tokens(), pool, idx, qsl, corr, kg, lower_bound=-5.0,
+                        backend="triton")
+    plan = ops.CommitPlan(idx, torch.tensor(accept, dtype=torch.int32, device=env.device))
+    a, c = pool.clone(), pool.clone()
+    ops.commit(a, corr, kg, b.A_log, b.dt_bias, plan, lower_bound=-5.0, backend="triton")
+    tables = ops.commit_tables(c, corr, kg)
+    ops.commit(c, corr, kg, b.A_log, b.dt_bias, plan, lower_bound=-5.0, backend="triton",
+               tables=tables)
+    assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="'tables': built for other pools"):
+        ops.commit(a, corr, kg, b.A_log, b.dt_bias, plan, lower_bound=-5.0, backend="triton",
+                   tables=tables)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,21 @@ from .validation import (
 )
 
 BACKENDS = ("auto", "triton", "reference")
+
+if TYPE_CHECKING:
+    from .triton_kda import CommitTables
+
+
+def commit_tables(
+    states: torch.Tensor | Sequence[torch.Tensor],
+    corrections: torch.Tensor | Sequence[torch.Tensor],
+    kg: torch.Tensor | Sequence[torch.Tensor],
+) -> CommitTables:
+    """Per-layer address tables for :func:`commit`, built once for a set of pools."""
+    from .triton_kda import CommitTables
+
+    return CommitTables(_as_layer_list("states", states),
+                        _as_layer_list("corrections", corrections), _as_layer_list("kg", kg))
 
 
 @dataclass
@@ -261,12 +277,15 @@ def commit(
     record_indices: torch.Tensor | None = None,
     backend: str = "auto",
     validate: bool = True,
+    tables: CommitTables | None = None,
 ) -> None:
     """Commit the accepted tokens of every request into its checkpoint, in place.
 
     ``states``, ``corrections`` and ``kg`` are one tensor (one layer) or one per layer;
     ``A_log`` is ``[H]`` or ``[L, H]`` and ``dt_bias`` ``[H, K]`` or ``[L, H, K]``. All layers
-    of a step are committed by one kernel launch.
+    of a step are committed by one kernel launch. The launch reads per-layer addresses from
+    device tables; pass ``tables`` (:func:`commit_tables`) built once for the same pools to
+    avoid rebuilding them, which is required inside CUDA-graph capture.
     """
     st = _as_layer_list("states", states)
     co = _as_layer_list("corrections", corrections)
@@ -320,8 +339,12 @@ def commit(
     if _use_triton(backend, st[0].device):
         from .triton_kda import commit_triton
 
+        if tables is not None and not tables.matches(st, co, kgs):
+            raise ValueError(
+                "argument 'tables': built for other pools than 'states'/'corrections'/'kg'"
+            )
         commit_triton(st, co, kgs, A_log.contiguous(), dt_bias.contiguous(), plan, lb,
-                      record_indices)
+                      record_indices, tables=tables)
         return
     for i in range(L):
         ref.commit(

@@ -333,6 +333,16 @@ class CommitTables:
         self.corr_ptrs, self.corr_strides = _address_table(corrections)
         self.kg_ptrs, self.kg_strides = _address_table(kg)
         self.aligned = all(_aligned(t) for t in (*states, *corrections, *kg))
+        self._key = self._identity(states, corrections, kg)
+
+    @staticmethod
+    def _identity(*groups: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        return tuple((t.data_ptr(), t.stride(0)) for g in groups for t in g)
+
+    def matches(self, states: list[torch.Tensor], corrections: list[torch.Tensor],
+                kg: list[torch.Tensor]) -> bool:
+        """Whether the tables describe exactly these pools (same addresses and strides)."""
+        return self._key == self._identity(states, corrections, kg)
 
 
 def commit_triton(
