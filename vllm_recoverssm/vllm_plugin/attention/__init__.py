@@ -1,0 +1,1 @@
+"""Attention-side pieces: the recovery KDA backend and its metadata builder."""

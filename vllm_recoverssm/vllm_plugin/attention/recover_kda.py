@@ -1,0 +1,202 @@
+"""Recovery KDA attention backend: vLLM's GDN metadata, narrowed to one state column.
+
+vLLM's generic GDN builder hands every speculative row ``S+1`` state slots (one per draft
+token) and the previous step's accepted count. Under recovery there is one checkpoint per
+request, always committed with zero speculative offset, so
+:class:`RecoverKDAMetadataBuilder` narrows the speculative state indices to that single
+column and passes neutral accepted counts (ones). Its metadata also implements vLLM's
+``RecoverSSMMetadata`` interface, so the GPU model runner (V2) calls
+:meth:`RecoverKDAMetadata.commit_recoverssm_state` after sampling — one commit and one conv
+compaction for all KDA layers of the KV-cache group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend,
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.recoverssm_metadata import (
+    RecoverSSMMetadata,
+    RecoverSSMPostprocessMetadata,
+)
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+from ... import ops
+
+RECOVERY_STATE_COLUMNS = 1
+"""State columns a speculative row gets under recovery (generic GDN: S+1)."""
+
+
+def to_ops_slots(block_ids: torch.Tensor) -> torch.Tensor:
+    """vLLM block ids -> our slot indices: vLLM's null block (0) becomes -1 (null row)."""
+    return torch.where(block_ids == NULL_BLOCK_ID, -1, block_ids).to(torch.int32)
+
+
+@contextmanager
+def dim_first_conv(conv_state: torch.Tensor, slots: torch.Tensor) -> Iterator[
+    tuple[torch.Tensor, torch.Tensor]
+]:
+    """A ``[slots, dim, width]`` conv view with the width contiguous, as our ops need.
+
+    ``conv_state`` is the layer's view already oriented ``(dim, width)``. With vLLM's
+    default "SD" layout that view is strided; then the rows ``slots`` are gathered into a
+    dense copy, addressed by their row number, and written back on exit. Yields
+    ``(view, indices into view)``.
+    """
+    if conv_state.stride(-1) == 1:
+        yield conv_state, slots
+        return
+    live = slots >= 0
+    src = torch.where(live, slots, 0).long()
+    dense = conv_state.index_select(0, src).contiguous()
+    local = torch.where(live, torch.arange(slots.numel(), device=slots.device,
+                                           dtype=torch.int32), -1).to(torch.int32)
+    yield dense, local
+    if bool(live.any()):
+        keep = live.nonzero().flatten()
+        conv_state.index_copy_(0, src[keep], dense[keep])
+
+
+class RecoveryCommitContext:
+    """The KDA layers of one KV-cache group and what commit needs from them."""
+
+    def __init__(self, layer_names: list[str], static_forward_context: dict[str, Any],
+                 ops_backend: str = "auto") -> None:
+        self.layer_names = list(layer_names)
+        self._context = static_forward_context
+        self.ops_backend = ops_backend
+        self._params: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def layers(self) -> list[Any]:
+        """The layer modules, in group order."""
+        return [self._context[name] for name in self.layer_names]
+
+    def _gate_params(self, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Parameters are fixed once weights are loaded; stack them once for the
+        # single multi-layer commit launch.
+        if self._params is None:
+            h, d = layers[0].local_num_heads, layers[0].head_dim
+            a_log = torch.stack([m.A_log.detach().reshape(h) for m in layers]).contiguous()
+            dt_bias = torch.stack(
+                [m.dt_bias.detach().reshape(h, d) for m in layers]
+            ).contiguous()
+            self._params = (a_log, dt_bias)
+        return self._params
+
+    def commit(self, slots: torch.Tensor, commit_lens: torch.Tensor) -> None:
+        """Replay each row's accepted records into its checkpoint, then compact conv."""
+        layers = self.layers()
+        if not layers or slots.numel() == 0:
+            return
+        a_log, dt_bias = self._gate_params(layers)
+        plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
+        caches = [m.kv_cache for m in layers]
+        ops.commit(
+            [c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches],
+            a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
+            record_indices=slots, backend=self.ops_backend,
+        )
+        for m, c in zip(layers, caches, strict=True):
+            with dim_first_conv(m.conv_state_dim_first_view(c[0]), slots) as (conv, idx):
+                local = ops.CommitPlan(state_indices=idx, commit_lens=commit_lens)
+                ops.conv_compact(conv, local, kernel_width=m.conv_size,
+                                 backend=self.ops_backend)
+
+
+@dataclass
+class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
+    """GDN metadata with one state column per speculative row, plus what commit needs."""
+
+    commit_context: RecoveryCommitContext | None = None
+    spec_request_rows: torch.Tensor | None = None
+    """Batch row of each speculative row (to read its sampled-token count)."""
+
+    def spec_slots(self) -> torch.Tensor:
+        """The checkpoint slot of each speculative row (null rows are -1)."""
+        assert self.spec_state_indices_tensor is not None
+        return to_ops_slots(self.spec_state_indices_tensor[: self.num_spec_decodes, 0])
+
+    def commit_recoverssm_state(
+        self, num_accepted_tokens: torch.Tensor
+    ) -> RecoverSSMPostprocessMetadata | None:
+        """Commit the accepted tokens (``num_accepted_tokens`` = sampled count per batch row)."""
+        if self.commit_context is None or self.num_spec_decodes == 0:
+            return None
+        assert self.spec_request_rows is not None and self.spec_query_start_loc is not None
+        n = self.num_spec_decodes
+        qsl = self.spec_query_start_loc[: n + 1]
+        query_lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
+        sampled = num_accepted_tokens.to(torch.int32)[self.spec_request_rows[:n]]
+        commit_lens = torch.minimum(sampled.clamp(min=0), query_lens).contiguous()
+        self.commit_context.commit(self.spec_slots().contiguous(), commit_lens)
+        return None  # mamba cache mode "none": no align-mode postprocess
+
+
+class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
+    """vLLM's GDN builder, narrowed for recovery (see the module docstring)."""
+
+    state_columns = RECOVERY_STATE_COLUMNS
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.commit_context = RecoveryCommitContext(
+            layer_names, vllm_config.compilation_config.static_forward_context
+        )
+        # Neutral accepted counts: the checkpoint never carries a speculative offset.
+        self._ones = torch.ones(self.decode_cudagraph_max_bs, dtype=torch.int32,
+                                device=device)
+
+    def build(  # type: ignore[override]
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: Any,
+        num_accepted_tokens: torch.Tensor | None = None,
+        num_decode_draft_tokens_cpu: torch.Tensor | None = None,
+        fast_build: bool = False,
+    ) -> RecoverKDAMetadata:
+        """Build vLLM's GDN metadata, then narrow it to one state column per row."""
+        meta = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
+                             num_decode_draft_tokens_cpu, fast_build)
+        return self.narrow(meta)
+
+    def narrow(self, meta: GDNAttentionMetadata) -> RecoverKDAMetadata:
+        """The recovery view of ``meta``: one state column, ones as accepted counts."""
+        values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+        rows = None
+        spec = meta.spec_state_indices_tensor
+        if spec is not None:
+            values["spec_state_indices_tensor"] = spec[:, :RECOVERY_STATE_COLUMNS]
+            values["num_accepted_tokens"] = self._ones[: spec.shape[0]]
+            masks = meta.spec_sequence_masks_cpu
+            device = spec.device
+            if masks is None or meta.num_prefills + meta.num_decodes == 0:
+                # Pure speculative step: rows are the first num_spec_decodes.
+                rows = torch.arange(spec.shape[0], dtype=torch.long, device=device)
+            else:
+                rows = masks.nonzero().flatten().to(device)
+        return RecoverKDAMetadata(**values, commit_context=self.commit_context,
+                                  spec_request_rows=rows)
+
+
+class RecoverKDAAttentionBackend(GDNAttentionBackend):
+    """GDN backend whose builder is the recovery builder."""
+
+    @staticmethod
+    def get_name() -> str:
+        """Backend name shown in vLLM's logs."""
+        return "RECOVERSSM_GLM5NEXT_KDA"
+
+    @staticmethod
+    def get_builder_cls() -> type[RecoverKDAMetadataBuilder]:  # type: ignore[override]
+        """The recovery metadata builder."""
+        return RecoverKDAMetadataBuilder

@@ -1,0 +1,191 @@
+"""Recovery selection from vLLM's own ``VllmConfig``.
+
+The plugin never keeps a second copy of the configuration: the mode the user asked for
+travels inside ``VllmConfig.additional_config["recoverssm"]`` (set from the command line by
+:mod:`.engine_args`, or given directly), and every process — front end, engine core,
+workers — derives the same :class:`~vllm_recoverssm.config.Decision` from the config it
+was handed. Only GLM-5.3 architectures are changed by the plugin; every other model is
+left to vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..config import (
+    GLM53_ARCHITECTURES,
+    Decision,
+    Deployment,
+    Failure,
+    IneligibleError,
+    RecoveryMode,
+    check_conditions,
+    decide,
+)
+from .kernels import choose_kernel_backend, cuda_capability
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+LOGGER_NAME = "vllm.recoverssm"
+"""A child of vLLM's logger, so our lines use vLLM's handlers and format."""
+
+CONFIG_KEY = "recoverssm"
+"""Key in ``--additional-config``: ``{"recoverssm": "auto" | "on" | "off"}``."""
+
+REQUEST_BOUNDARY_KEY = "request_boundary_checkpoints"
+"""``kv_connector_extra_config`` flag a connector sets when it only exports atomic
+request-boundary checkpoints (the one kind of connector recovery state can go through)."""
+
+_logged: set[tuple[Any, ...]] = set()
+
+
+def plugin_logger() -> logging.Logger:
+    """The plugin's logger, after vLLM has configured its logging (on first import)."""
+    import vllm.logger  # noqa: F401  (configures the "vllm" logger's handlers)
+
+    return logging.getLogger(LOGGER_NAME)
+
+
+def requested_mode(vllm_config: VllmConfig) -> RecoveryMode:
+    """The mode asked for in ``additional_config`` (``auto`` when absent)."""
+    extra = vllm_config.additional_config
+    value = extra.get(CONFIG_KEY, "auto") if isinstance(extra, dict) else "auto"
+    try:
+        return RecoveryMode(str(value).lower())
+    except ValueError:
+        raise ValueError(
+            f"additional_config['{CONFIG_KEY}']: expected one of auto, on, off, got {value!r}"
+        ) from None
+
+
+def is_glm53(vllm_config: VllmConfig) -> bool:
+    """Whether the served architecture is GLM-5.3, the one the plugin changes."""
+    mc = vllm_config.model_config
+    return mc is not None and mc.architecture in GLM53_ARCHITECTURES
+
+
+def kv_connector_kind(vllm_config: VllmConfig) -> str | None:
+    """Classify the KV connector: None, ``request_boundary``, ``pd`` or ``generic``.
+
+    A producer or consumer role is prefill/decode disaggregation. A connector that declares
+    ``request_boundary_checkpoints`` in its extra config exports whole request-boundary
+    checkpoints atomically; anything else (e.g. block-aligned KV offload) is generic.
+    """
+    kt = vllm_config.kv_transfer_config
+    if kt is None or kt.kv_connector is None:
+        return None
+    if kt.kv_role in ("kv_producer", "kv_consumer"):
+        return "pd"
+    if kt.kv_connector_extra_config.get(REQUEST_BOUNDARY_KEY) is True:
+        return "request_boundary"
+    return "generic"
+
+
+def _linear_head_dim(vllm_config: VllmConfig) -> int:
+    text = vllm_config.model_config.hf_text_config
+    for name in ("linear_head_dim", "head_dim"):
+        value = getattr(text, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def deployment_from_vllm_config(
+    vllm_config: VllmConfig, *, gpu_capability: tuple[int, int] | None | str = "detect"
+) -> Deployment:
+    """Describe the deployment ``vllm_config`` configures, for :func:`decide`.
+
+    ``gpu_capability`` defaults to the CUDA device's (None without one); pass a tuple to
+    decide for another GPU.
+    """
+    cap = cuda_capability() if gpu_capability == "detect" else gpu_capability
+    assert cap is None or isinstance(cap, tuple)
+    spec = vllm_config.speculative_config
+    cache = vllm_config.cache_config
+    mamba = getattr(vllm_config, "mamba_config", None)
+    return Deployment(
+        architecture=vllm_config.model_config.architecture,
+        spec_method=spec.method if spec is not None else None,
+        num_spec=vllm_config.num_speculative_tokens,
+        activation_dtype=str(vllm_config.model_config.dtype),
+        state_dtype=cache.mamba_ssm_cache_dtype,
+        head_dim=_linear_head_dim(vllm_config),
+        pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
+        model_runner="v2" if vllm_config.use_v2_model_runner else "v1",
+        gpu_capability=cap,
+        kernel_backend=choose_kernel_backend(cap),
+        kv_connector=kv_connector_kind(vllm_config),  # type: ignore[arg-type]
+        cache_mode="align" if cache.mamba_cache_mode == "align" else "none",
+        stochastic_rounding=bool(getattr(mamba, "enable_stochastic_rounding", False)),
+    )
+
+
+def plugin_limits(vllm_config: VllmConfig) -> list[Failure]:
+    """Conditions the vLLM integration adds to the general ones."""
+    out: list[Failure] = []
+    if vllm_config.cache_config.mamba_cache_mode not in ("none", None):
+        out.append(Failure(
+            name="cache_mode",
+            message=f"mamba cache mode {vllm_config.cache_config.mamba_cache_mode!r} (prefix "
+            "caching) is not wired into the vLLM plugin yet; recovery in vLLM needs "
+            "--no-enable-prefix-caching (mamba cache mode 'none')",
+        ))
+    return out
+
+
+def decide_for_vllm_config(
+    vllm_config: VllmConfig, *, gpu_capability: tuple[int, int] | None | str = "detect"
+) -> Decision:
+    """The recovery decision for ``vllm_config`` under the mode it carries.
+
+    Architectures other than GLM-5.3 always get ``use_recovery=False`` in auto and off
+    mode (vLLM keeps its own behaviour); forcing recovery (``on``) on anything ineligible
+    raises :class:`IneligibleError` listing every failing condition.
+    """
+    mode = requested_mode(vllm_config)
+    deployment = deployment_from_vllm_config(vllm_config, gpu_capability=gpu_capability)
+    extra = plugin_limits(vllm_config)
+    if not is_glm53(vllm_config):
+        arch = deployment.architecture
+        if mode is RecoveryMode.ON:
+            failures = [f for f in check_conditions(deployment) if f.name != "architecture"]
+            raise IneligibleError([Failure(
+                name="architecture",
+                message=f"the vLLM plugin implements recovery for GLM-5.3 "
+                f"({', '.join(GLM53_ARCHITECTURES)}) only, not {arch}; for Kimi use vLLM's "
+                "own --use-replayssm",
+            ), *failures, *extra])
+        return Decision(mode=mode, use_recovery=False, reasons=[
+            f"{arch} is not GLM-5.3: the plugin leaves it to vLLM"
+        ])
+    if extra and mode is not RecoveryMode.OFF:
+        failures = check_conditions(deployment) + extra
+        if mode is RecoveryMode.ON:
+            raise IneligibleError(failures)
+        return Decision(mode=mode, use_recovery=False, failures=failures, reasons=[
+            f"{len(failures)} condition(s) fail, so full speculative states are kept: "
+            + ", ".join(f.name for f in failures)
+        ])
+    return decide(deployment, mode)
+
+
+def recovery_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether this process serves GLM-5.3 with recovery (never raises for 'on')."""
+    try:
+        return decide_for_vllm_config(vllm_config).use_recovery
+    except IneligibleError:
+        # Start-up (the front end) already refused this deployment; a process that gets
+        # here anyway keeps full states rather than failing again mid-initialisation.
+        return False
+
+
+def log_decision_once(vllm_config: VllmConfig, decision: Decision) -> None:
+    """Log ``decision`` with its reasons, once per process and deployment."""
+    key = (vllm_config.model_config.architecture, decision.mode, decision.use_recovery,
+           tuple(decision.reasons))
+    if key in _logged:
+        return
+    _logged.add(key)
+    plugin_logger().info("vllm-recoverssm: %s", decision.summary().replace("\n", "\n  "))

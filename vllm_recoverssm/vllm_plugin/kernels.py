@@ -1,0 +1,63 @@
+"""Which kernels run recovery verify/commit on this machine.
+
+Our Triton kernels run on every NVIDIA GPU of compute capability 8.0 (Ampere) and newer.
+On SM12x (RTX 50xx, RTX PRO 6000, GB10) b12x ships CuTe verify/commit kernels for the same
+record layout; they are preferred there when the installed ``b12x`` has the API the plugin
+calls. Without a CUDA GPU there is no kernel backend (the PyTorch reference is for tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Literal
+
+KernelBackend = Literal["triton", "b12x"]
+
+B12X_MODULE = "b12x.sequence.gdn_decode"
+B12X_REQUIRED_API = ("bind_kda", "bind_kda_commit", "run_kda_commit", "Caps")
+"""What the recovery path needs from b12x: verify (``bind_kda`` with capabilities that
+keep the speculative records) and the forward-order commit."""
+
+MIN_CAPABILITY = (8, 0)
+
+
+def b12x_has_recovery_api(module: ModuleType | None) -> bool:
+    """Whether ``module`` (b12x's ``gdn_decode``, or None when absent) has every needed name."""
+    return module is not None and all(hasattr(module, name) for name in B12X_REQUIRED_API)
+
+
+def load_b12x() -> ModuleType | None:
+    """Import b12x's ``gdn_decode`` module, or None when b12x is not installed or broken."""
+    try:
+        return importlib.import_module(B12X_MODULE)
+    except Exception:  # an absent or broken optional package means "not available"
+        return None
+
+
+def choose_kernel_backend(
+    capability: tuple[int, int] | None, b12x: ModuleType | None | str = "detect"
+) -> KernelBackend | None:
+    """Pick the recovery kernel backend for a GPU of ``capability`` (None = no CUDA GPU).
+
+    SM12x with a usable b12x -> ``"b12x"``; any other SM80+ GPU -> ``"triton"``; older or
+    no GPU -> None. ``b12x`` is the imported ``gdn_decode`` module (``"detect"`` imports it
+    only when the GPU is SM12x).
+    """
+    if capability is None or tuple(capability) < MIN_CAPABILITY:
+        return None
+    if capability[0] == 12:
+        module = load_b12x() if isinstance(b12x, str) else b12x
+        if b12x_has_recovery_api(module):
+            return "b12x"
+    return "triton"
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability, or None without a CUDA GPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None
+    cap = current_platform.get_device_capability()
+    return None if cap is None else (int(cap.major), int(cap.minor))
