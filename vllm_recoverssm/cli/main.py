@@ -15,6 +15,8 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_recoverssm.cli.kernel_check",
     "vllm_recoverssm.cli.bench",
+    "vllm_recoverssm.cli.plan",
+    "vllm_recoverssm.cli.check",
 )
 
 

@@ -1,0 +1,170 @@
+"""``recoverssm check``: does a deployment use recovery, and why.
+
+Exit codes: 0 when a decision was reached (recovery on or off), 1 when recovery was
+forced (``--mode on``) on a deployment that fails a condition, 2 for bad arguments or an
+unreadable config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pydantic import ValidationError
+
+from ..config.eligibility import Deployment, IneligibleError, decide
+from .main import UsageError
+from .plan import (
+    activation_dtype,
+    add_deployment_args,
+    model_from_args,
+    one_line_errors,
+    validation_message,
+)
+
+
+def _capability(text: str) -> tuple[int, int] | None | str:
+    t = text.strip().lower()
+    if t in ("auto", "none"):
+        return t
+    try:
+        major, _, minor = t.removeprefix("sm").partition(".")
+        if not minor and len(major) >= 2 and t.startswith("sm"):
+            major, minor = major[:-1], major[-1]
+        return int(major), int(minor or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a compute capability like 9.0 or sm120, 'none' or 'auto', got {text!r}"
+        ) from None
+
+
+def detect_gpu() -> tuple[tuple[int, int] | None, str | None]:
+    """The first CUDA GPU's capability and the best available kernel backend."""
+    cap: tuple[int, int] | None = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            cap = tuple(torch.cuda.get_device_capability(0))  # type: ignore[assignment]
+    except Exception:  # pragma: no cover - broken torch install
+        cap = None
+    backend = detect_backend(cap)
+    return cap, backend
+
+
+def detect_backend(cap: tuple[int, int] | None) -> str | None:
+    """``b12x`` on SM12x when installed, else ``triton`` when importable, else None."""
+    import importlib.util
+
+    if cap is not None and cap[0] == 12 and importlib.util.find_spec("b12x") is not None:
+        return "b12x"
+    return "triton" if importlib.util.find_spec("triton") is not None else None
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``check`` sub-command."""
+    p = sub.add_parser(
+        "check", help="decide whether a deployment uses recovery, and why",
+        description="Check every eligibility condition of recovery for a deployment and "
+                    "print the decision. Exit 0: decided; 1: --mode on but ineligible; "
+                    "2: bad arguments.",
+    )
+    one_line_errors(p)
+    add_deployment_args(p)
+    e = p.add_argument_group("eligibility")
+    e.add_argument("--mode", choices=("auto", "on", "off"), default="auto",
+                   help="auto (default), on (force; fail if ineligible), off (full states)")
+    e.add_argument("--arch", help="architecture name (default: the model's)")
+    e.add_argument("--spec-method", default=None,
+                   help="speculative method: mtp, dflash, eagle, ngram, ..., or none "
+                        "(default: mtp when --num-spec > 0)")
+    e.add_argument("--head-dim", type=int, help="linear head dim (default: the model's)")
+    e.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    e.add_argument("--runner", choices=("v1", "v2"), default="v2",
+                   help="vLLM GPU model runner (default v2)")
+    e.add_argument("--gpu-capability", type=_capability, default="auto",
+                   help="CUDA compute capability like 9.0, 'none' for no GPU, or 'auto' "
+                        "(detect; default)")
+    e.add_argument("--kernel-backend", choices=("auto", "triton", "b12x", "none"),
+                   default="auto", help="available kernel backend (default: detect)")
+    e.add_argument("--kv-connector", choices=("none", "request_boundary", "generic", "pd"),
+                   default="none", help="KV connector kind: request_boundary (atomic), "
+                                        "generic (aligned), pd (prefill/decode split)")
+    e.add_argument("--stochastic-rounding", action="store_true",
+                   help="stochastic rounding of the state is on")
+    p.set_defaults(func=run)
+
+
+def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    """Validate the flags into a :class:`Deployment` (one-line UsageError if invalid)."""
+    spec = model_from_args(args)
+    cap = args.gpu_capability
+    if cap == "auto":
+        cap, detected = detect_gpu()
+    else:
+        cap = None if cap == "none" else cap
+        detected = detect_backend(cap)
+    backend = args.kernel_backend
+    backend = detected if backend == "auto" else (None if backend == "none" else backend)
+    method = args.spec_method
+    if method is None:
+        method = "mtp" if args.num_spec > 0 else None
+    try:
+        return Deployment.model_validate(dict(
+            architecture=args.arch or spec.architecture,
+            spec_method=method,
+            num_spec=args.num_spec,
+            activation_dtype=activation_dtype(args) or spec.dtype,
+            state_dtype=args.state_dtype,
+            head_dim=args.head_dim if args.head_dim is not None else spec.linear_head_dim,
+            pipeline_parallel_size=args.pp,
+            model_runner=args.runner,
+            gpu_capability=cap,
+            kernel_backend=backend,
+            kv_connector=None if args.kv_connector == "none" else args.kv_connector,
+            cache_mode=args.cache_mode,
+            stochastic_rounding=args.stochastic_rounding,
+        ))
+    except ValidationError as exc:
+        msg = validation_message(exc)
+        for field, flag in (("spec_method", "--spec-method"), ("num_spec", "--num-spec"),
+                            ("pipeline_parallel_size", "--pp"), ("head_dim", "--head-dim"),
+                            ("gpu_capability", "--gpu-capability"),
+                            ("architecture", "--arch")):
+            msg = msg.replace(f"{field}: ", f"{flag}: ")
+        raise UsageError(msg) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the decision and its reasons (JSON with ``--json``)."""
+    dep = deployment_from_args(args)
+    try:
+        decision = decide(dep, args.mode)
+    except IneligibleError as exc:
+        if args.json:
+            sys.stdout.write(json.dumps({
+                "deployment": dep.model_dump(mode="json"), "mode": args.mode,
+                "use_recovery": None, "error": str(exc),
+                "failures": [f.model_dump() for f in exc.failures],
+            }, indent=2) + "\n")
+        else:
+            print(f"recovery: forced on [mode on] but not eligible for {dep.architecture}")
+            print("failing conditions:")
+            for f in exc.failures:
+                print(f"  - {f.name}: {f.message}")
+        print(f"recoverssm check: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps({"deployment": dep.model_dump(mode="json"),
+                                     **decision.model_dump(mode="json")}, indent=2) + "\n")
+        return 0
+    cap = "no GPU" if dep.gpu_capability is None else \
+        f"SM{dep.gpu_capability[0]}{dep.gpu_capability[1]}"
+    print(f"deployment: {dep.architecture}, {dep.spec_method or 'no speculation'} "
+          f"S={dep.num_spec}, {dep.activation_dtype} activations, {dep.state_dtype} state, "
+          f"head dim {dep.head_dim}, PP {dep.pipeline_parallel_size}, runner "
+          f"{dep.model_runner}, {cap}, kernels {dep.kernel_backend or 'none'}, KV connector "
+          f"{dep.kv_connector or 'none'}, cache mode {dep.cache_mode}")
+    print(decision.summary())
+    return 0
