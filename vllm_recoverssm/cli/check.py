@@ -112,7 +112,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         method = "mtp" if args.num_spec > 0 else None
     try:
         return Deployment.model_validate(dict(
-            architecture=args.arch or spec.architecture,
+            architecture=spec.architecture if args.arch is None else args.arch,
             spec_method=method,
             num_spec=args.num_spec,
             activation_dtype=activation_dtype(args) or spec.dtype,

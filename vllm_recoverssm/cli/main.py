@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # Sub-command modules, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -24,9 +25,16 @@ class UsageError(Exception):
     """Bad user input: printed as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument as one line (``prog: error: ...``) and exits with 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every registered sub-command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="recoverssm",
         description="Speculative-state recovery for hybrid linear-attention models in vLLM.",
     )

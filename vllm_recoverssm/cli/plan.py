@@ -111,7 +111,7 @@ _FLAGS = {"tp": "--tp", "num_spec": "--num-spec", "block_size": "--block-size",
 
 def _flag_names(msg: str) -> str:
     for field, flag in _FLAGS.items():
-        msg = msg.replace(f"{field}: ", f"{flag}: ")
+        msg = msg.replace(f"argument '{field}': ", f"{flag}: ").replace(f"{field}: ", f"{flag}: ")
     return msg
 
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = plan(cfg)
     except ValueError as exc:  # e.g. a TP size that does not divide the heads
-        raise UsageError(str(exc)) from None
+        raise UsageError(_flag_names(str(exc))) from None
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:

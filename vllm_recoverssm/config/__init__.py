@@ -13,8 +13,30 @@ from .eligibility import (
     check_conditions,
     decide,
 )
+from .models import (
+    BUILTIN_MODELS,
+    GLM_5_3,
+    KIMI_LINEAR,
+    QWEN3_NEXT_80B_A3B,
+    AttentionSpec,
+    ModelConfigError,
+    ModelSpec,
+    get_model_spec,
+    load_hf_config,
+    model_spec_from_hf_config,
+)
 
 __all__ = [
+    "BUILTIN_MODELS",
+    "GLM_5_3",
+    "KIMI_LINEAR",
+    "QWEN3_NEXT_80B_A3B",
+    "AttentionSpec",
+    "ModelConfigError",
+    "ModelSpec",
+    "get_model_spec",
+    "load_hf_config",
+    "model_spec_from_hf_config",
     "GLM53_ARCHITECTURES",
     "KIMI_ARCHITECTURES",
     "QWEN3_NEXT_ARCHITECTURES",

@@ -421,7 +421,7 @@ def model_spec_from_hf_config(data: object, where: str = "config.json") -> Model
         raise ModelConfigError(f"{where}: field 'architectures' is missing")
     arch = archs[0]
     text = top
-    if isinstance(data.get("text_config"), dict):
+    if data.get("text_config") is not None:
         text = top.obj("text_config")
         if "torch_dtype" not in text.data and "dtype" not in text.data:
             text.data = {**text.data, "torch_dtype": data.get("torch_dtype",

@@ -301,8 +301,11 @@ def format_plan(p: Plan) -> str:
         cols += ["fit", "longest context"]
         for r, lp in zip(rows, p.layouts, strict=True):
             r.append(f"{lp.requests_fit:,}")
-            r.append("unbounded" if lp.longest_context is None
-                     else f"{lp.longest_context:,}")
+            if lp.longest_context is None:
+                r.append("unbounded")
+            else:
+                over = " (> max_model_len)" if lp.longest_context > p.max_model_len else ""
+                r.append(f"{lp.longest_context:,}{over}")
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
     def fmt(cells: list[str]) -> str:
