@@ -105,21 +105,21 @@ def deployment_from_vllm_config(
     spec = vllm_config.speculative_config
     cache = vllm_config.cache_config
     mamba = getattr(vllm_config, "mamba_config", None)
-    return Deployment(
-        architecture=vllm_config.model_config.architecture,
-        spec_method=spec.method if spec is not None else None,
-        num_spec=vllm_config.num_speculative_tokens,
-        activation_dtype=str(vllm_config.model_config.dtype),
-        state_dtype=cache.mamba_ssm_cache_dtype,
-        head_dim=_linear_head_dim(vllm_config),
-        pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
-        model_runner="v2" if vllm_config.use_v2_model_runner else "v1",
-        gpu_capability=cap,
-        kernel_backend=choose_kernel_backend(cap),
-        kv_connector=kv_connector_kind(vllm_config),  # type: ignore[arg-type]
-        cache_mode="align" if cache.mamba_cache_mode == "align" else "none",
-        stochastic_rounding=bool(getattr(mamba, "enable_stochastic_rounding", False)),
-    )
+    return Deployment.model_validate({
+        "architecture": vllm_config.model_config.architecture,
+        "spec_method": spec.method if spec is not None else None,
+        "num_spec": vllm_config.num_speculative_tokens,
+        "activation_dtype": str(vllm_config.model_config.dtype),
+        "state_dtype": cache.mamba_ssm_cache_dtype,
+        "head_dim": _linear_head_dim(vllm_config),
+        "pipeline_parallel_size": vllm_config.parallel_config.pipeline_parallel_size,
+        "model_runner": "v2" if vllm_config.use_v2_model_runner else "v1",
+        "gpu_capability": cap,
+        "kernel_backend": choose_kernel_backend(cap),
+        "kv_connector": kv_connector_kind(vllm_config),
+        "cache_mode": "align" if cache.mamba_cache_mode == "align" else "none",
+        "stochastic_rounding": bool(getattr(mamba, "enable_stochastic_rounding", False)),
+    })
 
 
 def plugin_limits(vllm_config: VllmConfig) -> list[Failure]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from typing import Any
 
 from ..config import GLM53_ARCHITECTURES, RecoveryMode
@@ -107,20 +106,21 @@ def check_at_startup(vllm_config: Any) -> None:
         log_decision_once(vllm_config, decision)
 
 
-def install() -> bool:
-    """Wrap ``EngineArgs`` (only where vLLM's engine arguments are already imported).
+def install() -> None:
+    """Wrap ``EngineArgs``'s methods (idempotent).
 
-    Returns whether the hooks are in place. Idempotent.
+    Imported here rather than only where vLLM already has it: a process that loads
+    plugins before its engine arguments would otherwise miss the hooks. After vLLM's
+    config package (always loaded by then) the import costs a few tens of milliseconds.
     """
-    module = sys.modules.get("vllm.engine.arg_utils")
-    if module is None:
-        return False
-    engine_args_cls = module.EngineArgs
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine_args_cls: Any = EngineArgs
     if getattr(engine_args_cls, _HOOKED, False):
-        return True
+        return
 
     original_add = engine_args_cls.add_cli_args
-    original_from = engine_args_cls.from_cli_args.__func__
+    original_from = vars(engine_args_cls)["from_cli_args"].__func__
     original_create = engine_args_cls.create_engine_config
 
     @functools.wraps(original_add)
@@ -149,4 +149,3 @@ def install() -> bool:
     engine_args_cls.from_cli_args = classmethod(from_cli_args)
     engine_args_cls.create_engine_config = create_engine_config
     setattr(engine_args_cls, _HOOKED, True)
-    return True

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
@@ -51,6 +51,11 @@ _SPEC_ONLY_FIELDS = dict(
     spec_token_indx=None, non_spec_token_indx=None, num_accepted_tokens=None,
     uniform_spec_sequence_length=None,
 )
+
+
+def _flat(weight: torch.Tensor) -> torch.Tensor:
+    """A conv weight stored ``[dim, 1, width]`` as ``[dim, width]``."""
+    return weight.reshape(weight.shape[0], -1)
 
 
 @contextmanager
@@ -83,7 +88,7 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
         if not self.use_recovery:
             return base
         return MambaStateShapeCalculator.append_kda_recoverssm_record(
-            base, self.num_heads, self.head_dim, self.tp_size, self.num_spec + 1
+            cast(Any, base), self.num_heads, self.head_dim, self.tp_size, self.num_spec + 1
         )
 
     def get_state_dtype(self) -> Any:
@@ -116,7 +121,7 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
         """q|k|v short-conv weights as one ``[dim, width]`` tensor (built once)."""
         if self._merged_conv_weight is None:
             self._merged_conv_weight = torch.cat(
-                [m.weight.reshape(m.weight.shape[0], -1)
+                [_flat(cast(torch.Tensor, m.weight))
                  for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0
             ).contiguous()
         return self._merged_conv_weight

