@@ -1,0 +1,40 @@
+"""Reference runtime: speculative decoding on a tiny GLM-5.3-shaped hybrid model.
+
+A small, readable harness (not a serving engine) that proves the state machinery end to
+end: the same prompts and drafter in recovery mode (one checkpoint + per-token records,
+commit after acceptance) and full-state mode (``S+1`` state columns) must give the same
+greedy output token for token.
+"""
+
+from .boundary import capture_request, restore_request
+from .drafters import Drafter, MTPDrafter, OracleDrafter
+from .greedy import greedy_continuations
+from .model import HybridModel, build_model
+from .model_config import CPU_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
+from .request import Request
+from .runtime import RuntimeStats, SpecRuntime
+from .runtime_config import RuntimeConfig, slots_per_request
+from .step_inputs import FULL_STATE, MODES, RECOVERY
+
+__all__ = [
+    "CPU_MODEL",
+    "FULL_STATE",
+    "GPU_MODEL",
+    "MODES",
+    "RECOVERY",
+    "TEST_MODEL",
+    "Drafter",
+    "HybridModel",
+    "MTPDrafter",
+    "ModelConfig",
+    "OracleDrafter",
+    "Request",
+    "RuntimeConfig",
+    "RuntimeStats",
+    "SpecRuntime",
+    "build_model",
+    "capture_request",
+    "greedy_continuations",
+    "restore_request",
+    "slots_per_request",
+]

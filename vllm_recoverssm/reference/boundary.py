@@ -1,0 +1,166 @@
+"""Request-boundary capture and restore: a request's complete state as one checkpoint.
+
+At a request boundary -- the end of the prompt (after the prompt's last prefill chunk, the
+first token sampled) and the end of the response (after the last step) -- the runtime calls
+its ``on_boundary(runtime, request, boundary)`` hook. Inside the hook,
+:func:`capture_request` returns a :class:`~vllm_recoverssm.checkpoint.RequestCheckpoint`:
+
+* for every KDA layer ``layer.{i}``: ``state`` ``[H, V, K]`` (FP32) and ``conv``
+  ``[3*H*D, Kc-1]`` (the conv history at zero speculative offset);
+* for every attention layer ``layer.{i}``: ``keys`` and ``values`` ``[n, heads, dim]`` of the
+  ``n`` computed tokens;
+* ``draft``: ``hidden`` (the last computed token's hidden state, what the MTP drafter
+  continues from); ``logits``: that token's logits, so an exact prompt hit needs no compute.
+
+The order of operations differs by mode. Recovery: the step has already committed the
+accepted records and compacted the conv history before the hook runs (commit -> compact ->
+capture), so the checkpoint slot is read as it is. Full state: the capture reads the state
+at column ``num_accepted - 1`` and the conv history at offset ``num_accepted - 1``, and only
+then compacts the request (state to column 0, history to offset 0). Either way the captured
+state has zero speculative offset, and :func:`restore_request` resumes with
+``num_accepted = 1`` in either mode.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_recoverssm.checkpoint import RequestCheckpoint
+
+from .request import Request
+from .step_inputs import FULL_STATE
+
+if TYPE_CHECKING:
+    from .runtime import SpecRuntime
+
+DRAFT_LAYER = "draft"
+
+
+def layer_name(index: int) -> str:
+    """Checkpoint name of model layer ``index``."""
+    return f"layer.{index}"
+
+
+def _kv_index(req: Request, num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
+    pos = torch.arange(num_tokens)
+    pages = torch.tensor(req.pages, dtype=torch.int64)[pos // block_size]
+    return (pages * block_size + pos % block_size).to(device)
+
+
+def capture_request(runtime: SpecRuntime, req: Request, boundary: str) -> RequestCheckpoint:
+    """The request's complete state after its computed tokens, at zero speculative offset.
+
+    Call it from the runtime's ``on_boundary`` hook (``boundary`` is ``"prompt"`` or
+    ``"response"``). Full-state mode compacts the request after reading it (see the module
+    docstring for the order).
+    """
+    if req.last_logits is None or req.last_hidden is None:
+        raise ValueError(f"argument 'req': request {req.rid} has computed no token yet")
+    pools = runtime.pools
+    n = req.num_computed
+    hist = runtime.model.config.conv_kernel - 1
+    if runtime.mode == FULL_STATE:
+        state_slot = req.run_slots[req.num_accepted - 1]
+        conv_slot, offset = req.run_slots[0], req.num_accepted - 1
+    else:
+        state_slot = conv_slot = runtime.running_state_slot(req)
+        offset = 0
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for i, p in pools.kda.items():
+        layers[layer_name(i)] = {
+            "state": p.state[state_slot].clone(),
+            "conv": p.conv[conv_slot, :, offset:offset + hist].clone(),
+        }
+    kv_index = _kv_index(req, n, runtime.block_size, runtime.device)
+    for i, a in pools.attention.items():
+        heads, dim = a.keys.shape[2:]
+        layers[layer_name(i)] = {
+            "keys": a.keys.view(-1, heads, dim)[kv_index].clone(),
+            "values": a.values.view(-1, heads, dim)[kv_index].clone(),
+        }
+    layers[DRAFT_LAYER] = {"hidden": req.last_hidden.clone()}
+    checkpoint = RequestCheckpoint(
+        tokens=tuple(req.tokens[:n]),
+        layers=layers,
+        logits=req.last_logits.clone(),
+        boundary=boundary,  # type: ignore[arg-type]
+        meta={"num_accepted": 1, "mode": runtime.mode},
+    )
+    runtime.compact_full_state(req)
+    return checkpoint
+
+
+def check_restorable(runtime: SpecRuntime, req: Request, checkpoint: RequestCheckpoint) -> None:
+    """``ValueError`` unless ``checkpoint`` is a prefix state of ``req`` for this model."""
+    n = checkpoint.num_tokens
+    if list(checkpoint.tokens) != req.prompt[:n]:
+        raise ValueError(
+            f"argument 'restore': the checkpoint's {n} tokens are not a prefix of the "
+            f"{len(req.prompt)}-token prompt"
+        )
+    mc = runtime.model.config
+    expected = {layer_name(i) for i in range(mc.num_layers)} | {DRAFT_LAYER}
+    if set(checkpoint.layers) != expected:
+        raise ValueError(
+            f"argument 'restore': expected layers {sorted(expected)}, got "
+            f"{sorted(checkpoint.layers)}"
+        )
+    H, D, C = mc.num_kda_heads, mc.kda_head_dim, mc.conv_channels
+    Ha, Da = mc.num_attn_heads, mc.attn_head_dim
+    shapes: dict[tuple[str, str], tuple[int, ...]] = {(DRAFT_LAYER, "hidden"): (mc.hidden_size,)}
+    for i in mc.kda_layers:
+        shapes[(layer_name(i), "state")] = (H, D, D)
+        shapes[(layer_name(i), "conv")] = (C, mc.conv_kernel - 1)
+    for i in mc.attention_layers:
+        shapes[(layer_name(i), "keys")] = (n, Ha, Da)
+        shapes[(layer_name(i), "values")] = (n, Ha, Da)
+    for (lname, tname), shape in shapes.items():
+        tensor = checkpoint.layers[lname].get(tname)
+        if tensor is None or tuple(tensor.shape) != shape:
+            got = None if tensor is None else list(tensor.shape)
+            raise ValueError(
+                f"argument 'restore': layer {lname!r} tensor {tname!r} expected shape "
+                f"{list(shape)}, got {got}"
+            )
+    if tuple(checkpoint.logits.shape) != (mc.vocab_size,):
+        raise ValueError(
+            f"argument 'restore': expected logits of shape [{mc.vocab_size}], got "
+            f"{list(checkpoint.logits.shape)}"
+        )
+
+
+def restore_request(runtime: SpecRuntime, req: Request, checkpoint: RequestCheckpoint) -> None:
+    """Write ``checkpoint`` into a just-admitted request's slot and KV pages.
+
+    The runtime calls this on admission of a request queued with ``restore=``: the request
+    continues at token ``checkpoint.num_tokens`` with ``num_accepted = 1``. When the
+    checkpoint covers the whole prompt, its logits give the first token and the request goes
+    straight to decoding.
+    """
+    n = checkpoint.num_tokens
+    dev = runtime.device
+    slot = runtime.running_state_slot(req)
+    for i, p in runtime.pools.kda.items():
+        tensors = checkpoint.layers[layer_name(i)]
+        p.state[slot].copy_(tensors["state"].to(dev))
+        p.conv[slot].zero_()
+        p.conv[slot, :, : runtime.model.config.conv_kernel - 1].copy_(tensors["conv"].to(dev))
+    kv_index = _kv_index(req, n, runtime.block_size, dev)
+    for i, a in runtime.pools.attention.items():
+        tensors = checkpoint.layers[layer_name(i)]
+        heads, dim = a.keys.shape[2:]
+        a.keys.view(-1, heads, dim).index_copy_(0, kv_index, tensors["keys"].to(dev, a.keys.dtype))
+        a.values.view(-1, heads, dim).index_copy_(
+            0, kv_index, tensors["values"].to(dev, a.values.dtype)
+        )
+    req.num_computed = n
+    req.num_accepted = 1
+    req.restored_tokens = n
+    req.last_hidden = checkpoint.layers[DRAFT_LAYER]["hidden"].to(dev)
+    req.last_logits = checkpoint.logits.to(dev)
+    runtime.stats.restored_tokens += n
+    if n == len(req.prompt):
+        req.tokens.append(int(req.last_logits.argmax()))
+        runtime.stats.generated_tokens += 1

@@ -1,0 +1,102 @@
+"""CUDA-graph capture and replay of the decode step's forward pass.
+
+A pure decode step (every row ``S+1`` tokens, padded to ``max_running`` rows with null
+rows) has fixed shapes, and with argument validation off none of its operations reads a
+device value on the host, so the whole forward pass -- projections, short convs, the
+Triton verify kernels, paged attention, MLPs -- is recorded once and replayed. Between
+replays only the contents of the input buffers change (tokens, positions, KV slots,
+block tables, state indices, ``num_accepted``, conv offsets). Acceptance and the commit
+run after the replay, outside the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from .step_inputs import AttentionInputs, LinearInputs, StepInputs
+
+if TYPE_CHECKING:
+    from .runtime import SpecRuntime
+
+
+def _tensor_fields(inputs: StepInputs) -> dict[str, torch.Tensor]:
+    out = {"token_ids": inputs.token_ids}
+    for group_name, group in (("attention", inputs.attention), ("linear", inputs.linear)):
+        for f in fields(group):  # type: ignore[arg-type]
+            value = getattr(group, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f"{group_name}.{f.name}"] = value
+    return out
+
+
+def _clone_inputs(inputs: StepInputs) -> StepInputs:
+    lin = inputs.linear
+    attn = inputs.attention
+
+    def c(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
+    return StepInputs(
+        token_ids=inputs.token_ids.clone(),
+        attention=AttentionInputs(
+            positions=attn.positions.clone(), row_of_token=attn.row_of_token.clone(),
+            kv_slots=attn.kv_slots.clone(), block_tables=attn.block_tables.clone(),
+        ),
+        linear=LinearInputs(
+            mode=lin.mode, num_decode_tokens=lin.num_decode_tokens,
+            decode_query_start_loc=lin.decode_query_start_loc.clone(),
+            decode_state_indices=lin.decode_state_indices.clone(),
+            decode_conv_indices=lin.decode_conv_indices.clone(),
+            num_accepted=c(lin.num_accepted), conv_offsets=c(lin.conv_offsets),
+            prefill_query_start_loc=lin.prefill_query_start_loc.clone(),
+            prefill_state_indices=lin.prefill_state_indices.clone(),
+        ),
+        validate=False,
+    )
+
+
+class DecodeGraph:
+    """One captured decode forward pass for a fixed number of rows.
+
+    Construction runs the step eagerly (with validation, which also warms up the kernels)
+    and then records it; :meth:`replay` returns the hidden states of later steps.
+    """
+
+    def __init__(self, runtime: SpecRuntime, first: StepInputs) -> None:
+        if runtime.device.type != "cuda":
+            raise ValueError(
+                f"argument 'runtime': CUDA graphs need a CUDA device, the model is on "
+                f"{runtime.device}"
+            )
+        if first.linear.num_prefill_rows:
+            raise ValueError("argument 'first': only pure decode steps can be captured")
+        self.runtime = runtime
+        self.static = _clone_inputs(first)
+        self._buffers = _tensor_fields(self.static)
+        self._pending_first: torch.Tensor | None = runtime.model(first, runtime.pools)
+        torch.cuda.synchronize(runtime.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = runtime.model(self.static, runtime.pools)
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the step ``inputs`` (same shapes as captured)."""
+        if self._pending_first is not None:
+            # The capturing call already ran this step eagerly: hand back its result.
+            out, self._pending_first = self._pending_first, None
+            return out
+        new = _tensor_fields(inputs)
+        for name, buf in self._buffers.items():
+            src = new.get(name)
+            if src is None or src.shape != buf.shape:
+                got = None if src is None else list(src.shape)
+                raise ValueError(
+                    f"argument 'inputs': {name} has shape {got}, the graph was captured with "
+                    f"{list(buf.shape)}"
+                )
+            buf.copy_(src)
+        self.graph.replay()
+        return self.output.clone()

@@ -1,0 +1,744 @@
+"""The reference speculative-decoding loop: admission, chunked prefill, verify, accept, commit.
+
+Each :meth:`SpecRuntime.step` runs one forward pass over a flat batch: the decode rows
+(``S+1`` tokens each: the last sampled token and ``S`` drafts) followed by the prefill rows
+(prompt chunks, or one token per step for non-speculative requests). After the pass:
+
+* decode rows accept greedily (the longest draft prefix that matches the model's argmax,
+  plus the model's next token);
+* recovery mode commits exactly the accepted tokens' records into each checkpoint and
+  moves the conv history to offset 0 (``ops.commit`` + ``ops.conv_compact`` with a commit
+  plan from :mod:`vllm_recoverssm.state`); full-state mode only remembers ``num_accepted``:
+  the next verify starts from column ``num_accepted - 1`` and reads the conv history at
+  offset ``num_accepted - 1``;
+* with prefix caching (align mode, block size ``B >= S+1``) the state after every ``B``
+  tokens is kept, including a boundary crossed in the middle of a speculative step
+  (recovery replays only the accepted tokens up to the boundary; full state copies the
+  column of the boundary token with ``ops.capture_boundary``).
+
+Requests wait when the state pool or the KV pages cannot hold them, and release every slot
+and page when they finish. See :mod:`.boundary` for the request-boundary capture/restore
+hooks a checkpoint store uses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_recoverssm import ops
+from vllm_recoverssm.state import SlotAllocator, build_align_commit_plan, build_commit_plan
+
+from .drafters import Drafter
+from .kv_pages import PageAllocator
+from .model import HybridModel
+from .pools import NULL_PAGE, ModelPools
+from .prefix_cache import CacheEntry, PrefixCache
+from .request import Request
+from .runtime_config import RuntimeConfig
+from .step_inputs import FULL_STATE, RECOVERY, AttentionInputs, LinearInputs, StepInputs
+
+if TYPE_CHECKING:
+    from vllm_recoverssm.checkpoint import RequestCheckpoint
+
+    from .cuda_graph import DecodeGraph
+
+BoundaryHook = Callable[["SpecRuntime", Request, str], None]
+"""Called as ``hook(runtime, request, boundary)`` with boundary ``"prompt"`` or ``"response"``."""
+
+INDEX = torch.int32
+
+
+@dataclass
+class RuntimeStats:
+    """Counters of one runtime's life."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    graph_steps: int = 0
+    mixed_steps: int = 0
+    generated_tokens: int = 0
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+    accept_histogram: list[int] = field(default_factory=list)
+    max_concurrent: int = 0
+    peak_slots_per_request: int = 0
+    wait_events: int = 0
+    restored_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0 when nothing was proposed)."""
+        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of :meth:`SpecRuntime.run` wall time."""
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class _PrefillRow:
+    request: Request
+    start: int
+    end: int
+    slot: int
+
+
+@dataclass
+class _DecodeRow:
+    request: Request
+    state: int | list[int]
+    conv: int
+    column_row: list[int]
+
+
+class SpecRuntime:
+    """Serves requests on a :class:`HybridModel` with speculative decoding.
+
+    ``drafter=None`` decodes without speculation (one token per step through the prefill
+    path): the plain greedy reference the speculative modes must reproduce.
+    """
+
+    def __init__(
+        self,
+        model: HybridModel,
+        config: RuntimeConfig,
+        drafter: Drafter | None = None,
+        *,
+        on_boundary: BoundaryHook | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.drafter = drafter
+        self.on_boundary = on_boundary
+        self.device = model.device
+        mc = model.config
+        self.num_spec = config.num_spec
+        self.block_size = config.block_size
+        self.pools = ModelPools(
+            mc, mode=config.mode, num_spec=config.num_spec, num_slots=config.total_slots,
+            record_rows=config.max_running, num_pages=config.total_pages,
+            block_size=config.block_size, device=self.device,
+        )
+        self.slots = SlotAllocator(config.total_slots)
+        self.pages = PageAllocator(config.total_pages)
+        self.cache = PrefixCache(config.block_size, config.cached_blocks, self.slots,
+                                 self.pages)
+        kda = model.kda_mixers()
+        self._A_log = torch.stack([m.A_log for m in kda]).float().contiguous()
+        self._dt_bias = torch.stack([m.dt_bias for m in kda]).float().contiguous()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self._restores: dict[int, RequestCheckpoint] = {}
+        self._next_rid = 0
+        self.stats = RuntimeStats(accept_histogram=[0] * (config.num_spec + 1))
+        self._graph: DecodeGraph | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def mode(self) -> str:
+        """``"recovery"`` or ``"full_state"``."""
+        return self.config.mode
+
+    @property
+    def speculative(self) -> bool:
+        """Whether decode steps verify drafts."""
+        return self.drafter is not None
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        restore: RequestCheckpoint | None = None,
+    ) -> Request:
+        """Queue a request; it runs when its slots and pages fit.
+
+        ``restore`` resumes from a checkpoint whose tokens are a prefix of ``prompt`` (see
+        :func:`.boundary.restore_request`); a checkpoint of the whole prompt needs no
+        prefill at all (its logits give the first token).
+        """
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("argument 'prompt': expected at least one token, got none")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"argument 'prompt': token ids {bad[:5]} are outside 0..{vocab - 1}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+            max_new_tokens < 1
+        ):
+            raise ValueError(
+                f"argument 'max_new_tokens': expected a positive int, got {max_new_tokens!r}"
+            )
+        need = len(prompt) + max_new_tokens + self.num_spec
+        if need > self.config.max_model_len:
+            raise ValueError(
+                f"argument 'prompt': {len(prompt)} prompt + {max_new_tokens} new + "
+                f"{self.num_spec} draft positions = {need} exceed max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        if self._pages_needed(len(prompt), max_new_tokens) > self.pages.capacity:
+            raise ValueError(
+                f"argument 'max_new_tokens': the request needs "
+                f"{self._pages_needed(len(prompt), max_new_tokens)} KV pages, the pool has "
+                f"{self.pages.capacity}"
+            )
+        req = Request(rid=self._next_rid, prompt=prompt, max_new_tokens=max_new_tokens)
+        self._next_rid += 1
+        if restore is not None:
+            from .boundary import check_restorable
+
+            check_restorable(self, req, restore)
+            self._restores[req.rid] = restore
+        self.waiting.append(req)
+        return req
+
+    def _pages_needed(self, prompt_len: int, max_new: int) -> int:
+        return math.ceil((prompt_len + max_new + self.num_spec) / self.block_size)
+
+    # ------------------------------------------------------------------ slots
+
+    def _acquire(self, req: Request, owner: Hashable, count: int) -> list[int]:
+        got = self.slots.acquire(owner, count)
+        req.slot_owners.append(owner)
+        held = sum(len(self.slots.owned(o)) for o in req.slot_owners)
+        self.stats.peak_slots_per_request = max(self.stats.peak_slots_per_request, held)
+        return got
+
+    def _slots_held(self, req: Request) -> int:
+        held = len(req.run_slots) + len(req.columns)
+        return held + (1 if req.boundary_slot >= 0 else 0)
+
+    def _outstanding(self) -> int:
+        """Slots promised to running requests but not yet acquired by them."""
+        return sum(r.slots_reserved - self._slots_held(r) for r in self.running)
+
+    def _make_room(
+        self, need_slots: int, need_pages: int, protect: tuple[int, ...] | None = None
+    ) -> bool:
+        """Evict cache entries (never ``protect``) until the request fits; True if it does."""
+
+        def fits() -> bool:
+            free_slots = self.slots.num_free - self._outstanding()
+            return free_slots >= need_slots and self.pages.num_free >= need_pages
+
+        while not fits():
+            if not self._evict_except(protect):
+                return False
+        return True
+
+    def _evict_except(self, protect: tuple[int, ...] | None) -> bool:
+        if protect is None or not self.cache.contains(protect):
+            return self.cache.evict_one()
+        # The protected entry was just looked up, so it is the most recently used: the LRU
+        # one is another entry unless it is the only one left.
+        if len(self.cache) <= 1:
+            return False
+        return self.cache.evict_one()
+
+    def _keep_reservations(self) -> None:
+        """After the cache took over a request's slot, free cache slots it still owes."""
+        while self.slots.num_free < self._outstanding() and self.cache.evict_one():
+            pass
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            if not self._try_admit(req):
+                self.stats.wait_events += 1
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+        self.stats.max_concurrent = max(self.stats.max_concurrent, len(self.running))
+
+    def _try_admit(self, req: Request) -> bool:
+        need_slots = self.config.slots_per_request
+        total_pages = self._pages_needed(len(req.prompt), req.max_new_tokens)
+        restore = self._restores.get(req.rid)
+        entry: CacheEntry | None = None
+        if restore is None and self.config.prefix_caching:
+            entry = self.cache.find(req.prompt, len(req.prompt) - 1)
+            if entry is not None:
+                hit_pages = entry.num_tokens // self.block_size
+                key = tuple(req.prompt[: entry.num_tokens])
+                if not self._make_room(need_slots, total_pages - hit_pages, protect=key):
+                    entry = None  # keeping the block would not leave room: admit cold
+        if entry is None and not self._make_room(need_slots, total_pages):
+            return False
+        if self.config.prefix_caching and restore is None:
+            self.cache.record_lookup(entry)
+        if restore is not None:
+            from .boundary import restore_request
+
+            self._allocate(req, total_pages, start=restore.num_tokens)
+            restore_request(self, req, restore)
+            del self._restores[req.rid]
+        elif entry is not None:
+            self.pages.share(list(entry.pages))
+            req.pages = list(entry.pages)
+            req.prefix_hit_tokens = entry.num_tokens
+            first = self._allocate(req, total_pages, start=entry.num_tokens)
+            self.pools.copy_slot(entry.slot, first)
+        else:
+            first = self._allocate(req, total_pages, start=0)
+            self.pools.clear_slot(first)
+        return True
+
+    def _allocate(self, req: Request, total_pages: int, start: int) -> int:
+        """Give an admitted request its slots and pages; returns its running-state slot.
+
+        ``start`` tokens are already known (a prefix-cache hit or a restore); the caller
+        fills the running-state slot.
+        """
+        cfg = self.config
+        req.slots_reserved = cfg.slots_per_request
+        req.pages += self.pages.allocate(total_pages - len(req.pages))
+        if cfg.mode == FULL_STATE:
+            req.run_slots = self._acquire(req, (req.rid, "run"), cfg.num_spec + 1)
+            if cfg.prefix_caching:
+                req.boundary_slot = self._acquire(req, (req.rid, "boundary", 0), 1)[0]
+        elif cfg.prefix_caching:
+            col = max(start - 1, 0) // self.block_size
+            req.columns[col] = self._acquire(req, (req.rid, "col", col), 1)[0]
+        else:
+            req.run_slots = self._acquire(req, (req.rid, "run"), 1)
+        req.num_computed = start
+        req.num_accepted = 1
+        return self.running_state_slot(req)
+
+    def running_state_slot(self, req: Request) -> int:
+        """Slot that holds the request's committed state at zero speculative offset.
+
+        Recovery: the checkpoint (align mode: column ``(num_computed-1)//B``). Full state:
+        column 0, valid only while ``num_accepted == 1`` (after prefill, a restore or
+        :meth:`compact_full_state`).
+        """
+        if self.mode == RECOVERY and self.config.prefix_caching:
+            return req.columns[max(req.num_computed - 1, 0) // self.block_size]
+        return req.run_slots[0]
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int, int]]]:
+        decode: list[Request] = []
+        prefill: list[tuple[Request, int, int]] = []
+        budget = self.config.max_prefill_tokens
+        B = self.block_size
+        for r in self.running:
+            if r.in_prefill:
+                if budget <= 0:
+                    continue
+                start = r.num_computed
+                end = min(len(r.prompt), start + budget)
+                if self.config.prefix_caching:
+                    end = min(end, (start // B + 1) * B)  # stop at the block boundary
+                prefill.append((r, start, end))
+                budget -= end - start
+            elif self.speculative:
+                decode.append(r)
+            else:
+                prefill.append((r, r.num_computed, r.num_computed + 1))
+        return decode, prefill
+
+    def _prefill_slot(self, req: Request, start: int) -> int:
+        """Slot the prefill of ``tokens[start:...]`` continues from and writes to."""
+        if not (self.mode == RECOVERY and self.config.prefix_caching):
+            return req.run_slots[0]
+        B = self.block_size
+        col = start // B
+        if col not in req.columns:
+            req.columns[col] = self._acquire(req, (req.rid, "col", col), 1)[0]
+        src_col = max(start - 1, 0) // B
+        if col != src_col:
+            # A new block starts: continue from a copy, the completed block stays as it is.
+            self.pools.copy_slot(req.columns[src_col], req.columns[col])
+        return req.columns[col]
+
+    def _decode_row(self, req: Request) -> _DecodeRow:
+        """Slots one decode row reads and writes (acquiring align-mode columns as needed)."""
+        S, B, nc = self.num_spec, self.block_size, req.num_computed
+        if self.mode == FULL_STATE:
+            return _DecodeRow(req, list(req.run_slots), req.run_slots[0], [])
+        if not self.config.prefix_caching:
+            return _DecodeRow(req, req.run_slots[0], req.run_slots[0], [])
+        src = req.columns[(nc - 1) // B]
+        col = nc // B
+        if col not in req.columns:
+            req.columns[col] = self._acquire(req, (req.rid, "col", col), 1)[0]
+        if col != (nc - 1) // B:
+            # The step starts a new block: its conv window goes to the new column so that
+            # the completed block keeps its history (it becomes a cached prefix block).
+            hist = self.model.config.conv_kernel - 1
+            for conv in self.pools.convs:
+                conv[req.columns[col], :, :hist].copy_(conv[src, :, :hist])
+        if nc + S + 1 > (col + 1) * B and col + 1 not in req.columns:
+            req.columns[col + 1] = self._acquire(req, (req.rid, "col", col + 1), 1)[0]
+        width = max(req.columns) + 1
+        table = [req.columns.get(j, -1) for j in range(width)]
+        return _DecodeRow(req, src, req.columns[col], table)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> bool:
+        """Admit, run one forward pass, accept and commit. False when nothing is left."""
+        self._admit()
+        self._finish_done()  # a restored prompt with one token to generate is done already
+        if not self.running:
+            if self.waiting:
+                raise RuntimeError(
+                    f"request {self.waiting[0].rid} cannot be admitted into an idle runtime: "
+                    "the state pool or KV pages are too small for it"
+                )
+            return False
+        decode, prefill = self._schedule()
+        drafts = (
+            self.drafter.propose(self.model, decode, self.num_spec)
+            if decode and self.drafter is not None else []
+        )
+        for r, d in zip(decode, drafts, strict=True):
+            r.drafts = [int(t) for t in d]
+        decode_rows = [self._decode_row(r) for r in decode]
+        prefill_rows = [_PrefillRow(r, s, e, self._prefill_slot(r, s)) for r, s, e in prefill]
+        pad = (self.config.pad_decode_rows or self.config.cuda_graph) and not prefill_rows
+        num_rows = self.config.max_running if pad else len(decode_rows)
+        with torch.inference_mode():
+            step_inputs = self._build_inputs(decode_rows, prefill_rows, num_rows)
+            if pad and self.config.cuda_graph:
+                hidden = self._graph_forward(step_inputs)
+                self.stats.graph_steps += 1
+            else:
+                hidden = self.model(step_inputs, self.pools)
+            self._after_decode(decode_rows, hidden)
+            self._after_prefill(prefill_rows, hidden, num_rows * (self.num_spec + 1))
+        self.stats.steps += 1
+        self.stats.decode_steps += bool(decode_rows)
+        self.stats.mixed_steps += bool(decode_rows and prefill_rows)
+        self._finish_done()
+        return True
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> list[Request]:
+        """Step until every queued request is finished; returns them in submission order.
+
+        ``progress(done_tokens, total_tokens)`` is called after each step.
+        """
+        batch = [*self.running, *self.waiting]
+        total = sum(r.max_new_tokens for r in batch)
+        started = time.perf_counter()
+        while self.step():
+            if progress is not None:
+                progress(sum(len(r.generated) for r in batch), total)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.seconds += time.perf_counter() - started
+        return sorted(batch, key=lambda r: r.rid)
+
+    def _graph_forward(self, step_inputs: StepInputs) -> torch.Tensor:
+        from .cuda_graph import DecodeGraph
+
+        if self._graph is None:
+            self._graph = DecodeGraph(self, step_inputs)
+        return self._graph.replay(step_inputs)
+
+    # ------------------------------------------------------------------ inputs
+
+    def _build_inputs(
+        self, decode: list[_DecodeRow], prefill: list[_PrefillRow], num_decode_rows: int
+    ) -> StepInputs:
+        S, B = self.num_spec, self.block_size
+        W = S + 1
+        width = self.config.pages_per_request
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        kv_slots: list[int] = []
+        tables: list[list[int]] = []
+
+        def add_row(req: Request | None, toks: list[int], start: int) -> None:
+            row = len(tables)
+            pages = req.pages if req is not None else []
+            tables.append(pages + [NULL_PAGE] * (width - len(pages)))
+            for j, t in enumerate(toks):
+                pos = start + j
+                tokens.append(t)
+                positions.append(pos if req is not None else 0)
+                rows.append(row)
+                kv_slots.append(pages[pos // B] * B + pos % B if req is not None
+                                else NULL_PAGE * B + j % B)
+
+        for d in decode:
+            r = d.request
+            add_row(r, [r.tokens[r.num_computed], *r.drafts], r.num_computed)
+        for _ in range(num_decode_rows - len(decode)):
+            add_row(None, [0] * W, 0)
+        for p in prefill:
+            add_row(p.request, p.request.tokens[p.start:p.end], p.start)
+
+        dev = self.device
+
+        def t(values: list[int] | list[list[int]], dtype: torch.dtype = INDEX) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        pad = num_decode_rows - len(decode)
+        full = self.mode == FULL_STATE
+        state_idx: list[int] | list[list[int]]
+        if full:
+            state_idx = [list(d.state) for d in decode if isinstance(d.state, list)]
+            state_idx += [[-1] * W] * pad
+        else:
+            state_idx = [d.state for d in decode if isinstance(d.state, int)] + [-1] * pad
+        na = [d.request.num_accepted for d in decode] + [1] * pad
+        prefill_lens = [p.end - p.start for p in prefill]
+        linear = LinearInputs(
+            mode=self.mode,
+            num_decode_tokens=num_decode_rows * W,
+            decode_query_start_loc=t([i * W for i in range(num_decode_rows + 1)]),
+            decode_state_indices=t(state_idx),
+            decode_conv_indices=t([d.conv for d in decode] + [-1] * pad),
+            num_accepted=t(na) if full else None,
+            conv_offsets=t([n - 1 for n in na]) if full else None,
+            prefill_query_start_loc=t([0] + list(_cumsum(prefill_lens))),
+            prefill_state_indices=t([p.slot for p in prefill]),
+        )
+        attention = AttentionInputs(
+            positions=t(positions, torch.int64),
+            row_of_token=t(rows, torch.int64),
+            kv_slots=t(kv_slots, torch.int64),
+            block_tables=t(tables, torch.int64),
+        )
+        return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear)
+
+    # ------------------------------------------------------------------ after the pass
+
+    def _after_decode(self, rows: list[_DecodeRow], hidden: torch.Tensor) -> None:
+        if not rows:
+            return
+        S = self.num_spec
+        W = S + 1
+        n = len(rows)
+        h = hidden[: n * W]
+        logits = self.model.logits(h)
+        target = logits.argmax(-1).view(n, W)
+        drafts = torch.tensor([d.request.drafts for d in rows], device=self.device)
+        matched = (drafts == target[:, :S]).to(torch.int32).cumprod(1).sum(1)
+        room = torch.tensor([d.request.remaining - 1 for d in rows], device=self.device)
+        accepted_drafts = torch.minimum(matched, room.to(matched.dtype))
+        num_accepted = (accepted_drafts + 1).to(INDEX)
+        crossed: list[tuple[Request, int]] = []
+        if self.mode == RECOVERY:
+            self._commit(rows, num_accepted)
+        elif self.config.prefix_caching:
+            crossed = self._capture_full_state_boundaries(rows, num_accepted)
+        acc = accepted_drafts.tolist()
+        rooms = room.tolist()
+        tgt = target.tolist()
+        for i, (row, a) in enumerate(zip(rows, acc, strict=True)):
+            r = row.request
+            new = [*r.drafts[:a], tgt[i][a]]
+            r.tokens.extend(new)
+            r.num_computed += a + 1
+            r.last_hidden = h[i * W + a].clone()
+            r.last_logits = logits[i * W + a].clone()
+            r.accept_lengths.append(a)
+            if self.mode == FULL_STATE:
+                r.num_accepted = a + 1
+            self.stats.accept_histogram[a] += 1
+            self.stats.accepted_drafts += a
+            self.stats.proposed_drafts += min(S, rooms[i])
+            self.stats.generated_tokens += len(new)
+            r.drafts = []
+        for req, num_tokens in crossed:
+            self._cache_boundary_slot(req, num_tokens)
+        if self.config.prefix_caching:
+            for row in rows:
+                self._retire_blocks(row.request)
+
+    def _commit(self, rows: list[_DecodeRow], num_accepted: torch.Tensor) -> None:
+        """Recovery: replay the accepted records into the checkpoints, then compact conv."""
+        S, dev = self.num_spec, self.device
+        n = len(rows)
+        shift = self.config.debug_commit_shift
+        commit_counts = (num_accepted + shift).clamp(0, S + 1).to(INDEX) if shift else num_accepted
+        query_lens = torch.full((n,), S + 1, dtype=INDEX, device=dev)
+        if self.config.prefix_caching:
+            width = max(len(d.column_row) for d in rows)
+            table = torch.tensor([d.column_row + [-1] * (width - len(d.column_row)) for d in rows],
+                                 dtype=INDEX, device=dev)
+            computed = torch.tensor([d.request.num_computed for d in rows], dtype=INDEX,
+                                    device=dev)
+            plan = build_align_commit_plan(table, computed, query_lens, commit_counts,
+                                           self.block_size, num_spec=S)
+            conv_plan = ops.CommitPlan(
+                state_indices=torch.tensor([d.conv for d in rows], dtype=INDEX, device=dev),
+                commit_lens=plan.commit_lens, final_indices=plan.final_indices,
+                boundary_indices=plan.boundary_indices, boundary_lens=plan.boundary_lens,
+            )
+        else:
+            slots = torch.tensor([d.state for d in rows], dtype=INDEX, device=dev)
+            plan = build_commit_plan(slots, commit_counts, query_lens, num_spec=S)
+            conv_plan = plan
+        ops.commit(self.pools.states, self.pools.corrections, self.pools.kgs, self._A_log,
+                   self._dt_bias, plan, lower_bound=self.model.config.lower_bound)
+        ops.conv_compact(self.pools.convs, conv_plan,
+                         kernel_width=self.model.config.conv_kernel)
+
+    def _capture_full_state_boundaries(
+        self, rows: list[_DecodeRow], num_accepted: torch.Tensor
+    ) -> list[tuple[Request, int]]:
+        """Full state, align mode: copy the column of a crossed block boundary.
+
+        Returns the requests that crossed one, with the token count at the boundary.
+        """
+        B = self.block_size
+        na = num_accepted.tolist()
+        bidx, blen, crossed = [], [], []
+        for d, a in zip(rows, na, strict=True):
+            nc = d.request.num_computed
+            nxt = (nc // B + 1) * B
+            if nc + a >= nxt:
+                bidx.append(d.request.boundary_slot)
+                blen.append(nxt - nc)
+                crossed.append((d.request, nxt))
+            else:
+                bidx.append(-1)
+                blen.append(0)
+        if not crossed:
+            return crossed
+        dev = self.device
+        columns = torch.tensor([d.state for d in rows], dtype=INDEX, device=dev)
+        b_idx = torch.tensor(bidx, dtype=INDEX, device=dev)
+        b_len = torch.tensor(blen, dtype=INDEX, device=dev)
+        for state, conv in zip(self.pools.states, self.pools.convs, strict=True):
+            ops.capture_boundary(state, conv, columns, b_idx, b_len)
+        return crossed
+
+    def _cache_boundary_slot(self, req: Request, num_tokens: int) -> None:
+        """Full state: hand the filled boundary slot to the cache and take a fresh one."""
+        owner = (req.rid, "boundary", req.boundary_serial)
+        pages = req.pages[: num_tokens // self.block_size]
+        if not self.cache.insert(req.tokens[:num_tokens], owner, req.boundary_slot, pages):
+            self.slots.release(owner)
+        req.slot_owners.remove(owner)
+        req.boundary_slot = -1
+        self._keep_reservations()
+        req.boundary_serial += 1
+        owner = (req.rid, "boundary", req.boundary_serial)
+        req.boundary_slot = self._acquire(req, owner, 1)[0]
+
+    def _retire_blocks(self, req: Request, final: bool = False) -> None:
+        """Recovery, align mode: completed columns the request no longer reads go to the cache.
+
+        A column ``j`` is complete once ``num_computed >= (j+1)*B``; it is still read while
+        it holds the running state (``j == (num_computed-1)//B``), unless ``final``.
+        """
+        if self.mode != RECOVERY:
+            return
+        B = self.block_size
+        running = (req.num_computed - 1) // B
+        for col in sorted(req.columns):
+            if col >= running and not final:
+                continue
+            slot = req.columns.pop(col)
+            owner = (req.rid, "col", col)
+            complete = (col + 1) * B <= req.num_computed
+            pages = req.pages[: col + 1]
+            if not (complete and self.cache.insert(req.tokens[: (col + 1) * B], owner, slot,
+                                                    pages)):
+                self.slots.release(owner)
+            req.slot_owners.remove(owner)
+        self._keep_reservations()
+
+    def _after_prefill(self, rows: list[_PrefillRow], hidden: torch.Tensor, offset: int) -> None:
+        B = self.block_size
+        last = []
+        pos = offset
+        for p in rows:
+            pos += p.end - p.start
+            last.append(pos - 1)
+        sample = [i for i, p in enumerate(rows) if p.end == len(p.request.tokens)]
+        if sample:
+            h = hidden[torch.tensor([last[i] for i in sample], device=self.device)]
+            logits = self.model.logits(h)
+            tokens = logits.argmax(-1).tolist()
+        for p in rows:
+            p.request.num_computed = p.end
+        for j, i in enumerate(sample):
+            r = rows[i].request
+            prompt_done = len(r.tokens) == len(r.prompt)
+            r.tokens.append(int(tokens[j]))
+            r.last_hidden = h[j].clone()
+            r.last_logits = logits[j].clone()
+            self.stats.generated_tokens += 1
+            if prompt_done and self.on_boundary is not None:
+                self.on_boundary(self, r, "prompt")
+        if self.config.prefix_caching:
+            for p in rows:
+                r = p.request
+                if self.mode == FULL_STATE and p.end % B == 0:
+                    self.pools.copy_slot(r.run_slots[0], r.boundary_slot)
+                    self._cache_boundary_slot(r, p.end)
+                else:
+                    self._retire_blocks(r)
+
+    # ------------------------------------------------------------------ finishing
+
+    def compact_full_state(self, req: Request) -> None:
+        """Full state: move the latest state to column 0 and the conv history to offset 0.
+
+        Afterwards ``num_accepted == 1``: the request has zero speculative offset, like a
+        recovery checkpoint. Used after a request-boundary capture.
+        """
+        if self.mode != FULL_STATE or req.num_accepted == 1:
+            return
+        col = req.run_slots[req.num_accepted - 1]
+        for state in self.pools.states:
+            state[req.run_slots[0]].copy_(state[col])
+        dev = self.device
+        plan = ops.CommitPlan(
+            state_indices=torch.tensor([req.run_slots[0]], dtype=INDEX, device=dev),
+            commit_lens=torch.tensor([req.num_accepted], dtype=INDEX, device=dev),
+        )
+        ops.conv_compact(self.pools.convs, plan, kernel_width=self.model.config.conv_kernel)
+        req.num_accepted = 1
+
+    def _finish_done(self) -> None:
+        for r in [r for r in self.running if r.done]:
+            if self.on_boundary is not None:
+                self.on_boundary(self, r, "response")
+            if self.config.prefix_caching and self.mode == RECOVERY:
+                self._retire_blocks(r, final=True)
+            self._release(r)
+            self.running.remove(r)
+            r.finished = True
+            self.finished.append(r)
+
+    def _release(self, req: Request) -> None:
+        for owner in req.slot_owners:
+            self.slots.release(owner)
+        req.slot_owners.clear()
+        req.run_slots.clear()
+        req.columns.clear()
+        req.boundary_slot = -1
+        req.slots_reserved = 0
+        self.pages.drop(req.pages)
+        req.pages = []
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

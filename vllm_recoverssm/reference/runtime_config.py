@@ -1,0 +1,111 @@
+"""Settings of the reference runtime: state mode, speculation, pool sizes, prefix caching."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .step_inputs import FULL_STATE, MODES, RECOVERY
+
+
+def slots_per_request(mode: str, num_spec: int, prefix_caching: bool) -> int:
+    """State-pool slots one running request holds at most.
+
+    Recovery keeps one checkpoint (align mode: the running block and the next one); full
+    state keeps ``S+1`` speculative columns (align mode: plus one boundary slot).
+    """
+    if mode not in MODES:
+        raise ValueError(f"argument 'mode': expected one of {MODES}, got {mode!r}")
+    base = 1 if mode == RECOVERY else num_spec + 1
+    return base + (1 if prefix_caching else 0)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the runtime schedules requests and sizes its pools.
+
+    ``max_running`` requests run at once (it is also the number of record scratch rows);
+    ``max_model_len`` bounds prompt + response + ``S`` positions; ``max_prefill_tokens``
+    is the prompt-token budget of one step (longer prompts are prefilled in chunks).
+    ``block_size`` is the KV page size and, with ``prefix_caching``, the state block size
+    ``B`` (align mode, ``B >= S+1``). ``num_slots`` / ``num_pages`` default to enough for
+    ``max_running`` requests plus ``max_cached_blocks`` cached blocks; smaller pools make
+    requests wait. ``cuda_graph`` replays pure decode steps from a CUDA graph;
+    ``pad_decode_rows`` pads those steps to ``max_running`` rows (the graph always does).
+    ``debug_commit_shift`` commits that many tokens more than accepted (recovery only): a
+    deliberately wrong runtime, used only by the negative-control tests.
+    """
+
+    mode: str = RECOVERY
+    num_spec: int = 3
+    max_running: int = 8
+    max_model_len: int = 256
+    max_prefill_tokens: int = 64
+    block_size: int = 16
+    prefix_caching: bool = False
+    max_cached_blocks: int = 32
+    num_slots: int | None = None
+    num_pages: int | None = None
+    cuda_graph: bool = False
+    pad_decode_rows: bool = False
+    debug_commit_shift: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"argument 'mode': expected one of {MODES}, got {self.mode!r}")
+        if not 1 <= self.num_spec <= 7:
+            raise ValueError(f"argument 'num_spec': expected 1..7, got {self.num_spec}")
+        for name in ("max_running", "max_model_len", "max_prefill_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"argument '{name}': expected a positive int, got {value!r}")
+        if self.prefix_caching and self.block_size < self.num_spec + 1:
+            raise ValueError(
+                f"argument 'block_size': prefix caching (align mode) needs block_size >= S+1 "
+                f"= {self.num_spec + 1}, got {self.block_size}"
+            )
+        if self.max_cached_blocks < 0:
+            raise ValueError(
+                f"argument 'max_cached_blocks': expected >= 0, got {self.max_cached_blocks}"
+            )
+        if self.num_slots is not None and self.num_slots < self.slots_per_request:
+            raise ValueError(
+                f"argument 'num_slots': a request needs {self.slots_per_request} slots in "
+                f"{self.mode} mode, got {self.num_slots}"
+            )
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"argument 'num_pages': expected >= 2, got {self.num_pages}")
+        if self.debug_commit_shift and self.mode == FULL_STATE:
+            raise ValueError(
+                "argument 'debug_commit_shift': only recovery mode commits; full-state mode "
+                "has nothing to shift"
+            )
+
+    @property
+    def slots_per_request(self) -> int:
+        """Slots one running request holds at most in this mode."""
+        return slots_per_request(self.mode, self.num_spec, self.prefix_caching)
+
+    @property
+    def pages_per_request(self) -> int:
+        """KV pages that cover ``max_model_len`` positions (the block-table width)."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Cache capacity in blocks (0 without prefix caching)."""
+        return self.max_cached_blocks if self.prefix_caching else 0
+
+    @property
+    def total_slots(self) -> int:
+        """Slots in the state pool."""
+        if self.num_slots is not None:
+            return self.num_slots
+        return self.max_running * self.slots_per_request + self.cached_blocks
+
+    @property
+    def total_pages(self) -> int:
+        """KV pages in each attention layer's cache, the null page included."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return 1 + self.max_running * self.pages_per_request + self.cached_blocks

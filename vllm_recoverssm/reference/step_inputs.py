@@ -1,0 +1,91 @@
+"""What one forward step of the reference model reads besides the weights.
+
+A step is a flat, variable-length batch of tokens: the speculative decode rows first (each
+exactly ``S+1`` tokens: the last sampled token and ``S`` drafts), then the prefill rows (a
+chunk of a prompt, or one token of a non-speculative request). Attention layers read
+:class:`AttentionInputs`; KDA layers read :class:`LinearInputs`, which says for each row
+kind which state slots and conv windows the ops use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RECOVERY = "recovery"
+FULL_STATE = "full_state"
+MODES = (RECOVERY, FULL_STATE)
+
+
+@dataclass
+class AttentionInputs:
+    """Paged-KV addressing for every token of the step.
+
+    ``kv_slots[t]`` is the flat cache position (``page * block_size + offset``) where token
+    ``t`` writes its key and value; ``block_tables[r]`` lists row ``r``'s KV pages (padded
+    with the null page); token ``t`` attends to positions ``0..positions[t]`` of row
+    ``row_of_token[t]``.
+    """
+
+    positions: torch.Tensor
+    row_of_token: torch.Tensor
+    kv_slots: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass
+class LinearInputs:
+    """State addressing of the KDA layers for one step.
+
+    Decode rows (the first ``num_decode_tokens`` tokens, ``S+1`` per row):
+
+    * recovery: ``decode_state_indices`` ``[Nd]`` is each row's checkpoint slot (read only;
+      records go to the scratch row of the same index), ``decode_conv_indices`` the slot
+      whose conv window the step writes;
+    * full state: ``decode_state_indices`` ``[Nd, S+1]`` are the row's state columns, the
+      step starts from column ``num_accepted - 1`` and writes column ``t`` after token
+      ``t``; the conv history is read at ``conv_offsets`` of ``decode_conv_indices``.
+
+    Prefill rows continue from ``prefill_state_indices`` (state and conv history at offset
+    0) and write their final state back there.
+    """
+
+    mode: str
+    num_decode_tokens: int
+    decode_query_start_loc: torch.Tensor
+    decode_state_indices: torch.Tensor
+    decode_conv_indices: torch.Tensor
+    num_accepted: torch.Tensor | None
+    conv_offsets: torch.Tensor | None
+    prefill_query_start_loc: torch.Tensor
+    prefill_state_indices: torch.Tensor
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Speculative decode rows in the step."""
+        return int(self.decode_query_start_loc.shape[0]) - 1
+
+    @property
+    def num_prefill_rows(self) -> int:
+        """Prefill rows in the step."""
+        return int(self.prefill_query_start_loc.shape[0]) - 1
+
+
+@dataclass
+class StepInputs:
+    """Everything one forward step reads: token ids plus attention and KDA addressing.
+
+    ``validate`` asks the ops to check their arguments (reads device values, so a CUDA-graph
+    capture passes ``False`` after an eager step validated the same buffers).
+    """
+
+    token_ids: torch.Tensor
+    attention: AttentionInputs
+    linear: LinearInputs
+    validate: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step."""
+        return int(self.token_ids.shape[0])
