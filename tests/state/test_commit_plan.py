@@ -231,3 +231,80 @@ def test_non_align_random(device, slots, data):
     assert plan.commit_lens.tolist() == want
     assert plan.state_indices.tolist() == [s if s >= 0 else -1 for s in slots]
     assert plan.commit_lens.device.type == device
+
+
+# ---- align: semantics stated independently of the formulas ---------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=align_batches())
+def test_align_semantics(batch):
+    """Block j holds the state after token (j+1)*B: the final slot is the block of the
+    last committed token, and the boundary (if any) is the one committed token that
+    completes a block, with its replay length counted from the step's first token."""
+    S, B, width, rows, ncs, qls, nas = batch
+    plan = build_align_commit_plan(t([r for r in rows]).reshape(len(rows), width), t(ncs),
+                                   t(qls), t(nas), B, num_spec=S)
+    for r, row, nc, ql, na in zip(plan_rows(plan), rows, ncs, qls, nas, strict=True):
+        if row[0] < 0:
+            assert r == AlignRow(-1, 0, -1, -1, 0)
+            continue
+        n = min(max(na, 0), ql)
+        assert r.commit_len == n
+        last_token = nc + n  # tokens committed after the step (1-based position)
+        assert r.final_index == row[max(last_token - 1, 0) // B]
+        assert r.state_index == row[max(nc - 1, 0) // B]
+        completing = [k for k in range(1, n + 1) if (nc + k) % B == 0]
+        assert len(completing) <= 1
+        if completing:
+            k = completing[0]
+            assert (r.boundary_index, r.boundary_len) == (row[(nc + k) // B - 1], k)
+        else:
+            assert (r.boundary_index, r.boundary_len) == (-1, 0)
+
+
+def _align_commit_case(device):
+    from vllm_recoverssm import ops
+    from vllm_recoverssm.ops import reference as ref
+
+    gen = torch.Generator().manual_seed(0)
+    H, K, S, B, slots = 2, 16, 3, 4, 12
+    N = 3
+    state = torch.randn(slots, H, K, K, generator=gen)
+    corr = torch.randn(N, H, S + 1, K, generator=gen) * 0.1
+    kg = torch.randn(N, H, S + 1, 2 * K, generator=gen).to(torch.bfloat16)
+    A_log = torch.randn(H, generator=gen) * 0.1
+    dt_bias = torch.randn(H, K, generator=gen) * 0.1
+    # row 0: nc=6 accepts 4 -> crosses 8 after 2 tokens; row 1: nc=8 accepts 1;
+    # row 2: nc=1 accepts 3 -> lands on 4 exactly
+    bt = t([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    plan = build_align_commit_plan(bt.to(device), t([6, 8, 1], device), t([4, 4, 4], device),
+                                   t([4, 1, 3], device), B, num_spec=S)
+    assert plan_rows(plan) == [AlignRow(1, 4, 2, 1, 2), AlignRow(4, 1, 5, -1, 0),
+                               AlignRow(6, 3, 6, 6, 3)]
+    # expected states from the single-token reference step
+    want = state.clone()
+    for i, r in enumerate(plan_rows(plan)):
+        s = state[r.state_index].clone()
+        for k in range(r.commit_len):
+            s = ref.commit_step(s, corr[i, :, k], kg[i, :, k, :K], kg[i, :, k, K:], A_log,
+                                dt_bias, -5.0)
+            if k + 1 == r.boundary_len:
+                want[r.boundary_index] = s
+        want[r.final_index] = s
+    got = state.clone().to(device)
+    ops.commit(got, corr.to(device), kg.to(device), A_log.to(device), dt_bias.to(device),
+               plan, lower_bound=-5.0)
+    return got.cpu(), want
+
+
+def test_align_plan_drives_commit_cpu():
+    got, want = _align_commit_case("cpu")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_align_plan_drives_commit_gpu():
+    got, want = _align_commit_case("cuda")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
