@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from vllm_recoverssm.vllm_plugin.config import (
 )
 
 from .conftest import MTP3, on_gpu
+from .tiny_glm import write_tiny_qwen3_next
 
 
 def test_plugin_is_found_through_the_entry_point(vllm_module: Any) -> None:
@@ -132,3 +134,23 @@ def test_explicit_additional_config_and_contradictions(build_config: Any) -> Non
                      '{"recoverssm": "on"}')
     with pytest.raises(ValueError, match="expected one of auto, on, off"):
         build_config(*MTP3, "--additional-config", '{"recoverssm": "maybe"}')
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3next"))
+
+
+def test_other_architectures_are_left_to_vllm(build_config: Any, tiny_qwen: Path) -> None:
+    cfg = build_config(*MTP3, model=tiny_qwen)
+    assert cfg.model_config.architecture == "Qwen3NextForCausalLM"
+    assert CONFIG_KEY not in cfg.additional_config
+    with on_gpu():
+        decision = decide_for_vllm_config(cfg)
+    assert not decision.use_recovery and "leaves it to vLLM" in decision.reasons[0]
+    # --use-replayssm still reaches vLLM's own check, unchanged
+    with pytest.raises(ValueError, match="--use-replayssm is not supported for architecture"):
+        build_config(*MTP3, "--use-replayssm", model=tiny_qwen)
+    # forcing the plugin's recovery on it is refused, naming the architecture
+    with pytest.raises(IneligibleError, match="GLM-5.3 .* only, not Qwen3NextForCausalLM"):
+        build_config(*MTP3, "--additional-config", '{"recoverssm": "on"}', model=tiny_qwen)

@@ -1,4 +1,4 @@
-"""A tiny GLM-5.3 checkpoint description (config.json only) for building real VllmConfigs.
+"""Tiny GLM-5.3 (and, for contrast, Qwen3-Next) config.json files for real VllmConfigs.
 
 Shapes are cut down except what recovery cares about: KDA head dim 128, conv width 4,
 bounded gate -5, 3 KDA layers + 1 attention layer, one MTP layer. No weights: configs
@@ -39,6 +39,23 @@ def write_tiny_glm53(directory: Path, **text_overrides: Any) -> Path:
     config = dict(model_type="glm5_next", architectures=["Glm5NextForConditionalGeneration"],
                   text_config=text, vision_config=vision, dtype="bfloat16",
                   tie_word_embeddings=False)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def write_tiny_qwen3_next(directory: Path) -> Path:
+    """Write ``config.json`` of a tiny Qwen3-Next (GDN hybrid with MTP): not GLM-5.3."""
+    config = dict(
+        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=1024,
+        hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, num_nextn_predict_layers=1,
+        max_position_embeddings=2048, dtype="bfloat16",
+    )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory

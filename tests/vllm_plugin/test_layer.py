@@ -1,0 +1,163 @@
+"""The GLM-5.3 KDA layer vLLM builds once the plugin is loaded (constructed on the CPU)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_recoverssm import ops
+
+from .conftest import MTP3, on_gpu
+from .tiny_glm import CONV_WIDTH, HEAD_DIM, LINEAR_HEADS
+
+S = 3
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def distributed(build_config: Any) -> None:
+    """A one-process gloo group: vLLM's parallel layers ask for the TP size."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(build_config(*MTP3)):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                        backend="gloo")
+        ps.initialize_model_parallel(1, 1)
+
+
+def make_layer(cfg: Any, *, recovery: bool) -> Any:
+    """vLLM's ``Glm5NextLinearAttention``, instantiated the way vLLM's model does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.glm5next.common.kda import Glm5NextLinearAttention
+
+    import vllm_recoverssm.vllm_plugin.models.glm5next.model  # noqa: F401  (swaps the layer)
+
+    text = cfg.model_config.hf_text_config
+    prefix = f"model.layers.{next(_names)}.linear_attn"
+    with set_current_vllm_config(cfg), (on_gpu() if recovery else _Null()):
+        layer = Glm5NextLinearAttention(text, cfg, prefix=prefix)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(p.dtype))
+    return layer
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def bind_pages(layer: Any, cfg: Any, blocks: int) -> Any:
+    spec = layer.get_kv_cache_spec(cfg)
+    raw = torch.zeros(blocks, 1, 1, spec.page_size_bytes, dtype=torch.int8)
+    layer.bind_kv_cache(raw)
+    gen = torch.Generator().manual_seed(5)
+    conv, state = layer.kv_cache[0], layer.kv_cache[1]
+    conv.copy_(torch.randn(conv.shape, generator=gen).to(conv.dtype))
+    state.copy_(torch.randn(state.shape, generator=gen) * 0.1)
+    return spec
+
+
+def test_the_plugin_layer_replaces_vllms_and_reports_the_recovery_page(
+    build_config: Any, distributed: None, tiny_glm: Path
+) -> None:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
+
+    from vllm_recoverssm.config.models import model_spec_from_hf_config
+    from vllm_recoverssm.state.planner import PlanConfig, plan
+    from vllm_recoverssm.vllm_plugin.attention.recover_kda import RecoverKDAAttentionBackend
+    from vllm_recoverssm.vllm_plugin.models.glm5next.kda import RecoverGlm5NextLinearAttention
+
+    cfg = build_config(*MTP3)
+    p = plan(PlanConfig(model=model_spec_from_hf_config(
+        json.loads((tiny_glm / "config.json").read_text())), tp=1, num_spec=S))
+    on = make_layer(cfg, recovery=True)
+    off = make_layer(cfg, recovery=False)
+    assert type(on) is type(off) is RecoverGlm5NextLinearAttention
+    spec_on, spec_off = on.get_kv_cache_spec(cfg), off.get_kv_cache_spec(cfg)
+    assert spec_on.page_size_bytes == p.layout("recovery_in_page").page_bytes
+    assert spec_on.num_speculative_blocks == 0
+    assert len(spec_on.shapes) == 4
+    assert on.get_attn_backend() is RecoverKDAAttentionBackend
+    # recovery off: exactly vLLM's layer behaviour
+    assert spec_off.page_size_bytes == p.layout("full").page_bytes
+    assert spec_off.num_speculative_blocks == S and len(spec_off.shapes) == 2
+    assert off.get_attn_backend() is GDNAttentionBackend
+
+
+def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: None) -> None:
+    from vllm.forward_context import set_forward_context
+
+    from vllm_recoverssm.vllm_plugin.attention.recover_kda import (
+        RecoverKDAMetadata,
+        dim_first_conv,
+    )
+
+    cfg = build_config(*MTP3)
+    layer = make_layer(cfg, recovery=True)
+    blocks = 6
+    bind_pages(layer, cfg, blocks)
+    conv0 = layer.kv_cache[0].clone()
+    state0 = layer.kv_cache[1].clone()
+    h, d = LINEAR_HEADS, HEAD_DIM
+    table = [[4], [0], [2]]  # block 0 is vLLM's null block
+    n, T = 3, 3 * (S + 1)
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(T, 3 * h * d, generator=gen).to(torch.bfloat16)
+    g1 = torch.randn(1, T, h, d, generator=gen).to(torch.bfloat16)
+    beta = torch.randn(1, T, h, generator=gen).to(torch.bfloat16)
+    qsl = torch.arange(0, T + 1, S + 1, dtype=torch.int32)
+    meta = RecoverKDAMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=n, num_spec_decode_tokens=T, num_actual_tokens=T,
+        spec_query_start_loc=qsl, spec_state_indices_tensor=torch.tensor(table).int(),
+        spec_sequence_masks=torch.ones(n, dtype=torch.bool),
+        spec_token_indx=torch.arange(T, dtype=torch.int32),
+        non_spec_token_indx=torch.empty(0, dtype=torch.int32),
+        num_accepted_tokens=torch.ones(n, dtype=torch.int32),
+    )
+    out = torch.zeros(1, T, h, d, dtype=torch.bfloat16)
+    with set_forward_context({layer.prefix: meta}, cfg):
+        layer._forward(qkv, g1, beta, out)
+
+    # the same step through our ops, on copies, addressed directly
+    slots = torch.tensor([4, -1, 2], dtype=torch.int32)
+    conv = conv0.clone()
+    weight = torch.cat([m.weight.reshape(h * d, CONV_WIDTH)
+                        for m in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)])
+    with dim_first_conv(conv.transpose(-1, -2), slots) as (view, idx):
+        x = ops.conv_update(qkv, view, weight, None, idx, qsl, activation="silu")
+    q, k, v = (t.reshape(T, h, d).contiguous() for t in x.split(h * d, dim=-1))
+    corr = torch.zeros(blocks, h, S + 1, d)
+    kg = torch.zeros(blocks, h, S + 1, 2 * d, dtype=torch.bfloat16)
+    want = ops.verify_recovery(
+        q, k, v, g1[0].contiguous(), beta[0].contiguous(), layer.A_log.detach().reshape(h),
+        layer.dt_bias.detach().reshape(h, d), state0, slots, qsl, corr, kg,
+        lower_bound=-5.0, record_indices=slots)
+
+    torch.testing.assert_close(out[0], want.to(out.dtype))
+    assert out[0, S + 1: 2 * (S + 1)].abs().sum() == 0  # the null row
+    assert out[0, : S + 1].abs().sum() > 0
+    torch.testing.assert_close(layer.kv_cache[1], state0)  # verify never writes the checkpoint
+    torch.testing.assert_close(layer.kv_cache[2], corr)
+    torch.testing.assert_close(layer.kv_cache[3], kg)
+    torch.testing.assert_close(layer.kv_cache[0], conv)
+    assert not torch.equal(layer.kv_cache[0][4], conv0[4])  # the window advanced
+    torch.testing.assert_close(layer.kv_cache[0][0], conv0[0])  # null block untouched
