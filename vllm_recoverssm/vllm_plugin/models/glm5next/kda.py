@@ -79,7 +79,10 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
     def __init__(self, config: Any, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(config, vllm_config, prefix)
         self.use_recovery = recovery_enabled(vllm_config)
-        self.ops_backend = "auto"  # Triton on CUDA tensors, the reference elsewhere
+        # Triton on CUDA tensors, the PyTorch reference elsewhere. On SM12x the
+        # eligibility check reports b12x when it is installed, but calling b12x's CuTe
+        # kernels is not wired yet: our Triton kernels run there too.
+        self.ops_backend = "auto"
 
     # -- state layout ----------------------------------------------------------------
     def get_state_shape(self) -> Any:
@@ -156,11 +159,10 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
                                 ns_out)
             core_attn_out[0].index_copy_(0, ns_idx, ns_out[0])
         else:
-            tokens = int(meta.spec_query_start_loc[meta.num_spec_decodes])  # type: ignore[index]
-            tokens = min(tokens, n)
-            out = self.verify_spec_rows(meta, qkv_proj_states[:tokens], g1[:, :tokens],
-                                        beta[:, :tokens])
-            core_attn_out[0, :tokens] = out.to(core_attn_out.dtype)
+            # Every token belongs to a speculative row; tokens past the last row (graph
+            # padding) belong to no row and come out as zeros, as in vLLM's own path.
+            out = self.verify_spec_rows(meta, qkv_proj_states[:n], g1[:, :n], beta[:, :n])
+            core_attn_out[0, :n] = out.to(core_attn_out.dtype)
 
     def verify_spec_rows(self, meta: RecoverKDAMetadata, qkv: torch.Tensor,
                          raw_g: torch.Tensor, raw_beta: torch.Tensor) -> torch.Tensor:
@@ -171,6 +173,9 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
         """
         conv_state, state, corrections, kg = self.kv_cache
         h, d = self.local_num_heads, self.head_dim
+        # The checks that read device values would sync the host every layer and step;
+        # vLLM's metadata is trusted on the GPU, checked everywhere else.
+        check = not qkv.is_cuda
         n = meta.num_spec_decodes
         slots = meta.spec_slots().contiguous()
         assert meta.spec_query_start_loc is not None
@@ -179,7 +184,7 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
         with dim_first_conv(conv_view, slots) as (conv, idx):
             x = ops.conv_update(qkv.contiguous(), conv, self.merged_conv_weight(),
                                 self.q_conv1d.bias, idx, qsl, activation="silu",
-                                backend=self.ops_backend)
+                                backend=self.ops_backend, validate=check)
         q, k, v = (t.reshape(-1, h, d).contiguous()
                    for t in x.split(self.local_projection_size, dim=-1))
         return ops.verify_recovery(
@@ -187,7 +192,7 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
             raw_beta[0].reshape(-1, h).contiguous(), self.A_log.reshape(h),
             self.dt_bias.reshape(h, d), state, slots, qsl, corrections, kg,
             lower_bound=self.kda_lower_bound, record_indices=slots,
-            backend=self.ops_backend,
+            backend=self.ops_backend, validate=check,
         )
 
 
