@@ -7,7 +7,13 @@ greedy output token for token.
 """
 
 from .boundary import capture_request, restore_request
-from .drafters import Drafter, MTPDrafter, OracleDrafter
+from .drafters import (
+    Drafter,
+    MTPDrafter,
+    OracleDrafter,
+    corruption_for_acceptance,
+    expected_acceptance,
+)
 from .greedy import greedy_continuations
 from .model import HybridModel, build_model
 from .model_config import CPU_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
@@ -34,6 +40,8 @@ __all__ = [
     "SpecRuntime",
     "build_model",
     "capture_request",
+    "corruption_for_acceptance",
+    "expected_acceptance",
     "greedy_continuations",
     "restore_request",
     "slots_per_request",

@@ -76,7 +76,14 @@ class DecodeGraph:
         self.runtime = runtime
         self.static = _clone_inputs(first)
         self._buffers = _tensor_fields(self.static)
-        self._pending_first: torch.Tensor | None = runtime.model(first, runtime.pools)
+        # The first step runs eagerly on a side stream (it also compiles and warms up every
+        # kernel); it cannot be run twice, because each step moves the conv windows.
+        main = torch.cuda.current_stream(runtime.device)
+        side = torch.cuda.Stream(runtime.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self._pending_first: torch.Tensor | None = runtime.model(first, runtime.pools)
+        main.wait_stream(side)
         torch.cuda.synchronize(runtime.device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

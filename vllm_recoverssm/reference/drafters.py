@@ -59,6 +59,32 @@ class MTPDrafter:
         return torch.stack(drafted, dim=1).tolist()
 
 
+def expected_acceptance(corruption: float, num_spec: int) -> float:
+    """Expected accepted / proposed drafts when each draft is wrong with prob. ``corruption``.
+
+    Drafts are accepted up to the first wrong one, so ``j`` drafts are accepted with
+    probability ``q**j`` (``q = 1 - corruption``) for each ``j <= S``.
+    """
+    q = 1.0 - corruption
+    return sum(q**j for j in range(1, num_spec + 1)) / num_spec
+
+
+def corruption_for_acceptance(acceptance: float, num_spec: int) -> float:
+    """The corruption rate whose :func:`expected_acceptance` is ``acceptance`` (bisection)."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"argument 'acceptance': expected 0..1, got {acceptance}")
+    if not 1 <= num_spec <= 7:
+        raise ValueError(f"argument 'num_spec': expected 1..7, got {num_spec}")
+    lo, hi = 0.0, 1.0  # expected_acceptance falls as corruption rises
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_acceptance(mid, num_spec) > acceptance:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def _prompt_digest(prompt: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()[:16]
 

@@ -142,6 +142,11 @@ class ModelPools:
         )
 
     @property
+    def total_slot_bytes(self) -> int:
+        """Bytes of the whole state and conv pools (every slot, every KDA layer)."""
+        return self.num_slots * self.slot_bytes
+
+    @property
     def state_slot_bytes(self) -> int:
         """Recurrent-state bytes of one slot across all KDA layers."""
         return sum(p.state[0].numel() * p.state.element_size() for p in self.kda.values())

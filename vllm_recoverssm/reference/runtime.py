@@ -71,6 +71,8 @@ class RuntimeStats:
     peak_slots_per_request: int = 0
     wait_events: int = 0
     restored_tokens: int = 0
+    prefill_tokens: int = 0
+    boundaries_mid_step: int = 0
     seconds: float = 0.0
 
     @property
@@ -593,6 +595,9 @@ class SpecRuntime:
                    self._dt_bias, plan, lower_bound=self.model.config.lower_bound)
         ops.conv_compact(self.pools.convs, conv_plan,
                          kernel_width=self.model.config.conv_kernel)
+        if plan.boundary_indices is not None and plan.boundary_lens is not None:
+            inside = (plan.boundary_indices >= 0) & (plan.boundary_lens < plan.commit_lens)
+            self.stats.boundaries_mid_step += int(inside.sum())
 
     def _capture_full_state_boundaries(
         self, rows: list[_DecodeRow], num_accepted: torch.Tensor
@@ -608,6 +613,7 @@ class SpecRuntime:
             nc = d.request.num_computed
             nxt = (nc // B + 1) * B
             if nc + a >= nxt:
+                self.stats.boundaries_mid_step += nxt - nc < a
                 bidx.append(d.request.boundary_slot)
                 blen.append(nxt - nc)
                 crossed.append((d.request, nxt))
@@ -673,6 +679,7 @@ class SpecRuntime:
             logits = self.model.logits(h)
             tokens = logits.argmax(-1).tolist()
         for p in rows:
+            self.stats.prefill_tokens += max(0, min(p.end, len(p.request.prompt)) - p.start)
             p.request.num_computed = p.end
         for j, i in enumerate(sample):
             r = rows[i].request

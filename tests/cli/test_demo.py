@@ -1,0 +1,58 @@
+"""``recoverssm demo``: the main job, at the smallest model size so that CI stays fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_recoverssm.cli.main import main
+
+SMALL = ["demo", "--device", "cpu", "--model", "test", "--requests", "3",
+         "--max-new-tokens", "6"]
+
+
+def test_json_reports_identical_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--json", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["outputs_identical"] is True
+    assert report["matches_greedy"] is True
+    assert report["ok"] is True and err == ""
+    rec, full = report["modes"]["recovery"], report["modes"]["full_state"]
+    for m in (rec, full):
+        assert m["state_bytes_per_request"] == m["planner_state_bytes_per_request"]
+        assert m["generated_tokens"] == 3 * 6
+        assert m["tokens_per_second"] > 0
+    assert rec["state_bytes_per_request"] < full["state_bytes_per_request"]
+    assert rec["accept_histogram"] == full["accept_histogram"]
+    assert report["prompt_lengths"] and len(report["prompt_lengths"]) == 3
+
+
+def test_text_report_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--num-spec", "2", "--acceptance", "0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert "outputs identical (recovery vs full-state): yes" in out
+    assert "tokens/s" in out and "planner" in out
+    for phase in ("greedy", "recovery", "full-state"):
+        assert f"demo: {phase}" in err  # progress lines (stderr is not a terminal here)
+
+
+def test_mtp_drafter(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--drafter", "mtp", "--json", "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["outputs_identical"] is True
+    assert report["matches_greedy"] is None  # no greedy reference without the oracle
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--num-spec", "8", "num-spec"), ("--acceptance", "1.5", "acceptance"),
+     ("--requests", "0", "requests"), ("--threads", "0", "threads")],
+)
+def test_bad_arguments_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    assert main([*SMALL, flag, value, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -1,0 +1,66 @@
+"""End to end: recovery output == full-state output, token for token (DESIGN section 6)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_recoverssm.reference import (
+    FULL_STATE,
+    RECOVERY,
+    HybridModel,
+    MTPDrafter,
+    corruption_for_acceptance,
+)
+
+from .helpers import MAX_NEW, oracle, run
+
+# target acceptance -> (lowest, highest) measured: ~100 %, ~50 %, 0 %
+ACCEPTANCE = {1.0: (0.9, 1.0), 0.5: (0.25, 0.75), 0.0: (0.0, 0.0)}
+
+
+@pytest.mark.parametrize("num_spec", [1, 3, 7])
+@pytest.mark.parametrize("target", sorted(ACCEPTANCE))
+def test_recovery_matches_full_state(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]],
+    num_spec: int, target: float,
+) -> None:
+    corruption = corruption_for_acceptance(target, num_spec)
+    drafter = oracle(tiny_model, prompts, references, corruption)
+    rec, rec_rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=num_spec)
+    full, full_rt = run(tiny_model, prompts, drafter, mode=FULL_STATE, num_spec=num_spec)
+    assert rec == full
+    # both also reproduce plain greedy decoding without speculation
+    assert rec == [r[:MAX_NEW] for r in references]
+    assert rec_rt.stats.accept_histogram == full_rt.stats.accept_histogram
+    low, high = ACCEPTANCE[target]
+    assert low <= rec_rt.stats.acceptance_rate <= high
+
+
+def test_every_accept_length_occurs(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]]
+) -> None:
+    drafter = oracle(tiny_model, prompts, references, 0.35)
+    rec, rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3)
+    assert all(count > 0 for count in rt.stats.accept_histogram), rt.stats.accept_histogram
+    full, _ = run(tiny_model, prompts, drafter, mode=FULL_STATE, num_spec=3)
+    assert rec == full
+
+
+def test_mtp_drafter_modes_agree(tiny_model: HybridModel, prompts: list[list[int]],
+                                 references: list[list[int]]) -> None:
+    rec, rec_rt = run(tiny_model, prompts, MTPDrafter(), mode=RECOVERY, num_spec=3)
+    full, _ = run(tiny_model, prompts, MTPDrafter(), mode=FULL_STATE, num_spec=3)
+    assert rec == full == [r[:MAX_NEW] for r in references]
+    assert rec_rt.stats.proposed_drafts > 0
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_wrong_commit_count_breaks_equivalence(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]], shift: int
+) -> None:
+    """Negative control: committing one token too many or too few changes the output."""
+    drafter = oracle(tiny_model, prompts, references, 0.35)
+    full, _ = run(tiny_model, prompts, drafter, mode=FULL_STATE, num_spec=3)
+    wrong, _ = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3,
+                   debug_commit_shift=shift)
+    assert wrong != full

@@ -1,0 +1,91 @@
+"""The reference runtime on a CUDA GPU: Triton kernels, GLM-5.3 head size, CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_recoverssm.reference import (
+    FULL_STATE,
+    GPU_MODEL,
+    MODES,
+    RECOVERY,
+    HybridModel,
+    build_model,
+    corruption_for_acceptance,
+    greedy_continuations,
+)
+
+from .helpers import make_prompts, oracle, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+MAX_NEW = 24
+LEN = 96
+
+
+@pytest.fixture(scope="module")
+def gpu_model() -> HybridModel:
+    """The GPU preset: 8 KDA heads of 128, bfloat16 activations."""
+    return build_model(GPU_MODEL, "cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu_prompts() -> list[list[int]]:
+    """Eight prompts of 4..53 tokens."""
+    return make_prompts(8, GPU_MODEL.vocab_size, seed=2,
+                        lengths=[4, 11, 18, 25, 32, 39, 46, 53])
+
+
+@pytest.fixture(scope="module")
+def gpu_references(gpu_model: HybridModel, gpu_prompts: list[list[int]]) -> list[list[int]]:
+    """Plain greedy continuations."""
+    return greedy_continuations(gpu_model, gpu_prompts, MAX_NEW + 8, max_model_len=LEN + 8)
+
+
+@pytest.mark.parametrize("num_spec", [1, 3, 7])
+@pytest.mark.parametrize("target", [1.0, 0.5, 0.0])
+def test_recovery_matches_full_state_on_gpu(
+    gpu_model: HybridModel, gpu_prompts: list[list[int]], gpu_references: list[list[int]],
+    num_spec: int, target: float,
+) -> None:
+    drafter = oracle(gpu_model, gpu_prompts, gpu_references,
+                     corruption_for_acceptance(target, num_spec))
+    common = dict(num_spec=num_spec, max_model_len=LEN, block_size=8, max_new=MAX_NEW)
+    rec, rec_rt = run(gpu_model, gpu_prompts, drafter, mode=RECOVERY, **common)  # type: ignore[arg-type]
+    full, _ = run(gpu_model, gpu_prompts, drafter, mode=FULL_STATE, **common)  # type: ignore[arg-type]
+    assert rec == full
+    if target == 0.0:
+        assert rec_rt.stats.acceptance_rate == 0.0
+    else:
+        assert rec_rt.stats.acceptance_rate > 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_caching_on_gpu(
+    gpu_model: HybridModel, gpu_prompts: list[list[int]], gpu_references: list[list[int]],
+    mode: str,
+) -> None:
+    drafter = oracle(gpu_model, gpu_prompts, gpu_references, 0.3)
+    common = dict(mode=mode, num_spec=3, max_model_len=LEN, block_size=8, max_new=MAX_NEW)
+    cold, _ = run(gpu_model, gpu_prompts, drafter, **common)  # type: ignore[arg-type]
+    warm, rt = run(gpu_model, gpu_prompts + gpu_prompts, drafter, prefix_caching=True,
+                   max_running=8, **common)  # type: ignore[arg-type]
+    assert warm == cold + cold
+    assert rt.cache.stats.hits > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replay_matches_eager(
+    gpu_model: HybridModel, gpu_prompts: list[list[int]], gpu_references: list[list[int]],
+    mode: str,
+) -> None:
+    drafter = oracle(gpu_model, gpu_prompts, gpu_references, 0.3)
+    common = dict(mode=mode, num_spec=3, max_model_len=LEN, block_size=8, max_new=MAX_NEW)
+    eager, eager_rt = run(gpu_model, gpu_prompts, drafter, pad_decode_rows=True, **common)  # type: ignore[arg-type]
+    graph, graph_rt = run(gpu_model, gpu_prompts, drafter, cuda_graph=True, **common)  # type: ignore[arg-type]
+    assert graph == eager
+    assert graph_rt.stats.graph_steps > 0 and eager_rt.stats.graph_steps == 0

@@ -1,0 +1,182 @@
+"""``recoverssm demo``: speculative decoding on a tiny GLM-5.3-shaped model, both state modes.
+
+Decodes one batch of prompts with recovery (one checkpoint per request + per-token records,
+commit after acceptance) and with full states (S+1 states per request), and prints tokens/s,
+acceptance, the linear-state bytes per request (measured from the allocated pools, beside
+the memory planner's figure) and whether the two outputs are identical. CPU by default, the
+GPU (Triton kernels, CUDA graphs) when one is present. Exit code 1 if the outputs differ or
+the bytes disagree with the planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TextIO
+
+import torch
+
+from vllm_recoverssm.reference.demo import (
+    DRAFTERS,
+    MODEL_PRESETS,
+    DemoOptions,
+    DemoReport,
+    run_demo,
+)
+
+BAR_WIDTH = 30
+MODE_TITLES = {"recovery": "recovery", "full_state": "full-state"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``demo`` sub-command."""
+    p = sub.add_parser(
+        "demo",
+        help="speculative decoding on a tiny GLM-5.3-shaped model, recovery vs full state",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to run (default: cuda when present, else cpu)")
+    p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
+                   help="model size preset (default: gpu on a GPU, else cpu)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="prompts in the batch (default: 8 on CPU, 16 on GPU)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate per prompt (default: 32 on CPU, 64 on GPU)")
+    p.add_argument("--num-spec", type=int, default=3, help="draft tokens per step, S (1..7)")
+    p.add_argument("--drafter", choices=DRAFTERS, default="oracle",
+                   help="oracle: the greedy continuation, corrupted to reach --acceptance; "
+                        "mtp: the model's MTP head (random weights: rarely right)")
+    p.add_argument("--acceptance", type=float, default=0.7,
+                   help="target draft acceptance of the oracle drafter, 0..1 (default 0.7)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="keep the state every block (align mode) and reuse shared prefixes")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of replaying a CUDA graph")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: the tensors are tiny)")
+    p.add_argument("--seed", type=int, default=0, help="prompt and drafter seed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+class ProgressBar:
+    """Token progress on stderr: one redrawn line on a terminal, a line per phase otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.started = time.monotonic()
+        self.phase = ""
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` tokens in ``phase``."""
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.started
+        label = MODE_TITLES.get(phase, phase)
+        if self.tty:
+            filled = BAR_WIDTH * done // max(total, 1)
+            bar = "#" * filled + "." * (BAR_WIDTH - filled)
+            self.stream.write(f"\r\033[K[{bar}] {done}/{total} tokens {elapsed:5.1f}s {label}")
+        elif phase != self.phase:
+            self.stream.write(f"demo: {label} ({done}/{total} tokens, {elapsed:.1f}s)\n")
+        self.phase = phase
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line."""
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def format_report(report: DemoReport) -> str:
+    """The human-readable summary."""
+    lines = [
+        "recoverssm demo: speculative decoding on a tiny GLM-5.3-shaped hybrid "
+        "(random weights)",
+        f"  model    {report.model_summary}",
+        f"  device   {report.device}"
+        + (f" ({report.threads} thread{'s' if report.threads > 1 else ''})"
+           if report.device == "cpu" else ""),
+        f"  batch    {len(report.prompt_lengths)} prompts of {min(report.prompt_lengths)}.."
+        f"{max(report.prompt_lengths)} tokens, {report.max_new_tokens} new tokens each, "
+        f"S = {report.num_spec} drafts per step",
+    ]
+    drafter = report.drafter
+    if report.corruption is not None:
+        drafter += f" (greedy continuation, {report.corruption:.0%} of drafts corrupted)"
+    lines += [f"  drafter  {drafter}", ""]
+    header = (f"{'mode':<11} {'tokens/s':>9} {'steps':>6} {'accepted':>9}  "
+              f"{'accept lengths 0..S':<22} {'state/request':>14} {'planner':>14}")
+    lines += [header, "-" * len(header)]
+    for mode, m in report.modes.items():
+        lines.append(
+            f"{MODE_TITLES[mode]:<11} {m.tokens_per_second:>9.1f} {m.steps:>6} "
+            f"{m.acceptance_rate:>9.1%}  {str(m.accept_histogram):<22} "
+            f"{_mib(m.state_bytes_per_request):>14} "
+            f"{_mib(m.planner_state_bytes_per_request):>14}"
+        )
+    rec, full = report.modes.get("recovery"), report.modes.get("full_state")
+    lines.append("")
+    if rec is not None and full is not None and rec.state_bytes_per_request:
+        ratio = full.state_bytes_per_request / rec.state_bytes_per_request
+        lines.append(
+            f"state per request: recovery {rec.state_bytes_per_request:,} B vs full state "
+            f"{full.state_bytes_per_request:,} B ({ratio:.2f}x less); measured from the "
+            f"pools {'==' if report.bytes_match_planner else '!='} planner"
+        )
+    total = len(report.prompt_lengths) * report.max_new_tokens
+    lines.append(
+        f"outputs identical (recovery vs full-state): "
+        f"{'yes' if report.outputs_identical else 'NO'} ({total} tokens)"
+    )
+    if report.matches_greedy is not None:
+        lines.append(
+            "both equal plain greedy decoding without speculation: "
+            f"{'yes' if report.matches_greedy else 'no'}"
+        )
+    if any(m.graph_steps for m in report.modes.values()):
+        steps = ", ".join(f"{MODE_TITLES[k]} {m.graph_steps}" for k, m in report.modes.items())
+        lines.append(f"decode steps replayed from a CUDA graph: {steps}")
+    if any(m.prefix_cache_hits for m in report.modes.values()):
+        hits = ", ".join(f"{MODE_TITLES[k]} {m.prefix_cache_hits}"
+                         for k, m in report.modes.items())
+        lines.append(f"prefix-cache hits: {hits}")
+    lines.append(f"wall time {report.wall_seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; exit code 0 when the outputs match and the bytes agree with the planner."""
+    if args.threads < 1:
+        raise ValueError(f"argument '--threads': expected >= 1, got {args.threads}")
+    options = DemoOptions(
+        device=args.device, model=args.model, num_requests=args.requests,
+        max_new_tokens=args.max_new_tokens, num_spec=args.num_spec, drafter=args.drafter,
+        acceptance=args.acceptance, prefix_caching=args.prefix_caching,
+        cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,
+    )
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    bar = ProgressBar(sys.stderr, enabled=not args.no_progress)
+    try:
+        report = run_demo(options, progress=bar)
+    finally:
+        bar.close()
+        torch.set_num_threads(previous_threads)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=None, sort_keys=True))
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1

@@ -1,0 +1,225 @@
+"""The main job: one batch of prompts decoded speculatively in recovery and full-state mode.
+
+Both runs use the same model, prompts and drafter. The job reports throughput, acceptance,
+the linear-state bytes each request held (measured from the allocated pools, beside the
+memory planner's figure) and whether the two modes produced identical tokens. With the
+oracle drafter it also checks both against plain greedy decoding without speculation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .accounting import measured_state_bytes, planned_state_bytes
+from .drafters import Drafter, MTPDrafter, OracleDrafter, corruption_for_acceptance
+from .greedy import greedy_continuations
+from .model import HybridModel, build_model
+from .model_config import CPU_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
+from .runtime import SpecRuntime
+from .runtime_config import RuntimeConfig
+from .step_inputs import FULL_STATE, MODES, RECOVERY
+
+MODEL_PRESETS: dict[str, ModelConfig] = {"cpu": CPU_MODEL, "gpu": GPU_MODEL, "test": TEST_MODEL}
+DRAFTERS = ("oracle", "mtp")
+
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(phase, done_tokens, total_tokens)``; totals cover every phase of the job."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What the job runs; ``None`` fields take the device's default."""
+
+    device: str = "auto"
+    model: str = "auto"
+    num_requests: int | None = None
+    max_new_tokens: int | None = None
+    num_spec: int = 3
+    drafter: str = "oracle"
+    acceptance: float = 0.7
+    prefix_caching: bool = False
+    cuda_graph: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(
+                f"argument '--device': expected auto, cpu or cuda, got {self.device!r}"
+            )
+        if self.model not in ("auto", *MODEL_PRESETS):
+            raise ValueError(
+                f"argument '--model': expected auto or one of {sorted(MODEL_PRESETS)}, got "
+                f"{self.model!r}"
+            )
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"argument '--drafter': expected one of {DRAFTERS}, got "
+                             f"{self.drafter!r}")
+        if not 1 <= self.num_spec <= 7:
+            raise ValueError(f"argument '--num-spec': expected 1..7, got {self.num_spec}")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"argument '--acceptance': expected 0..1, got {self.acceptance}")
+        for name in ("num_requests", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"argument '--{name.replace('_', '-')}': expected >= 1, got "
+                                 f"{value}")
+
+
+@dataclass
+class ModeReport:
+    """One mode's run."""
+
+    mode: str
+    seconds: float
+    generated_tokens: int
+    tokens_per_second: float
+    steps: int
+    acceptance_rate: float
+    accept_histogram: list[int]
+    state_bytes_per_request: int
+    planner_state_bytes_per_request: int
+    state_pool_bytes: int
+    prefix_cache_hits: int
+    graph_steps: int
+
+
+@dataclass
+class DemoReport:
+    """Everything the job measured."""
+
+    device: str
+    model: dict[str, Any]
+    model_summary: str
+    num_spec: int
+    drafter: str
+    corruption: float | None
+    prompt_lengths: list[int]
+    max_new_tokens: int
+    modes: dict[str, ModeReport] = field(default_factory=dict)
+    greedy_seconds: float | None = None
+    matches_greedy: bool | None = None
+    outputs_identical: bool = False
+    bytes_match_planner: bool = False
+    wall_seconds: float = 0.0
+    threads: int = 1
+
+    @property
+    def ok(self) -> bool:
+        """Identical outputs and measured bytes equal to the planner's."""
+        return self.outputs_identical and self.bytes_match_planner
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` picks CUDA when a GPU is present, else the CPU."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("argument '--device': cuda was asked for but no CUDA GPU is visible")
+    return torch.device(choice)
+
+
+def demo_prompts(count: int, vocab: int, seed: int, longest: int) -> list[list[int]]:
+    """``count`` seeded random prompts with lengths spread from 8 to ``longest`` tokens."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    lengths = [8 + (longest - 8) * i // max(count - 1, 1) for i in range(count)]
+    order = torch.randperm(count, generator=gen).tolist()  # mix long and short prompts
+    return [torch.randint(0, vocab, (lengths[i],), generator=gen).tolist() for i in order]
+
+
+def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
+    s = runtime.stats
+    pools = runtime.pools
+    pool_bytes = pools.total_slot_bytes + pools.record_row_bytes * pools.record_rows
+    return ModeReport(
+        mode=mode, seconds=s.seconds, generated_tokens=s.generated_tokens,
+        tokens_per_second=s.tokens_per_second, steps=s.steps,
+        acceptance_rate=s.acceptance_rate, accept_histogram=list(s.accept_histogram),
+        state_bytes_per_request=measured_state_bytes(runtime),
+        planner_state_bytes_per_request=planned_state_bytes(
+            runtime.model.config, mode, runtime.num_spec, runtime.config.prefix_caching),
+        state_pool_bytes=pool_bytes, prefix_cache_hits=runtime.cache.stats.hits,
+        graph_steps=s.graph_steps,
+    )
+
+
+def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoReport:
+    """Run the job and return its report (see the module docstring)."""
+    started = time.perf_counter()
+    device = resolve_device(options.device)
+    on_gpu = device.type == "cuda"
+    preset = options.model if options.model != "auto" else ("gpu" if on_gpu else "cpu")
+    config = MODEL_PRESETS[preset]
+    num_requests = options.num_requests or (16 if on_gpu else 8)
+    max_new = options.max_new_tokens or (64 if on_gpu else 32)
+    S = options.num_spec
+    longest = 64 if on_gpu else 40
+    max_model_len = longest + max_new + S
+    model: HybridModel = build_model(config, device)
+    prompts = demo_prompts(num_requests, config.vocab_size, options.seed, longest)
+    phases = (["greedy"] if options.drafter == "oracle" else []) + list(MODES)
+    total = len(phases) * num_requests * max_new
+    report = DemoReport(
+        device=str(device), model=config.to_dict(), model_summary=config.describe(),
+        num_spec=S, drafter=options.drafter, corruption=None,
+        prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new,
+        threads=torch.get_num_threads(),
+    )
+
+    def tracker(phase: str) -> Callable[[int, int], None]:
+        offset = phases.index(phase) * num_requests * max_new
+
+        def update(done: int, _: int) -> None:
+            if progress is not None:
+                progress(phase, offset + done, total)
+
+        update(0, total)  # announce the phase
+        return update
+
+    drafter: Drafter
+    references: list[list[int]] | None = None
+    if options.drafter == "oracle":
+        greedy_progress = tracker("greedy")
+        t0 = time.perf_counter()
+        references = greedy_continuations(model, prompts, max_new, max_model_len=max_model_len,
+                                          max_running=num_requests)
+        report.greedy_seconds = time.perf_counter() - t0
+        greedy_progress(num_requests * max_new, total)
+        corruption = corruption_for_acceptance(options.acceptance, S)
+        report.corruption = corruption
+        drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, references, strict=True)},
+                                corruption, config.vocab_size, seed=options.seed)
+    else:
+        drafter = MTPDrafter()
+    outputs: dict[str, list[list[int]]] = {}
+    cuda_graph = on_gpu if options.cuda_graph is None else options.cuda_graph
+    for mode in MODES:
+        runtime = SpecRuntime(model, RuntimeConfig(
+            mode=mode, num_spec=S, max_running=num_requests, max_model_len=max_model_len,
+            block_size=max(16, S + 1), prefix_caching=options.prefix_caching,
+            cuda_graph=cuda_graph,
+        ), drafter)
+        for p in prompts:
+            runtime.add_request(p, max_new)
+        finished = runtime.run(progress=tracker(mode))
+        outputs[mode] = [r.generated for r in finished]
+        report.modes[mode] = _mode_report(runtime, mode)
+    report.outputs_identical = outputs[RECOVERY] == outputs[FULL_STATE]
+    if references is not None:
+        report.matches_greedy = outputs[RECOVERY] == references
+    report.bytes_match_planner = all(
+        m.state_bytes_per_request == m.planner_state_bytes_per_request
+        for m in report.modes.values()
+    )
+    report.wall_seconds = time.perf_counter() - started
+    return report
