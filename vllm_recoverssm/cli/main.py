@@ -14,6 +14,7 @@ from typing import NoReturn
 
 # Sub-command modules, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
+    "vllm_recoverssm.cli.demo",
     "vllm_recoverssm.cli.kernel_check",
     "vllm_recoverssm.cli.bench",
     "vllm_recoverssm.cli.plan",
