@@ -56,3 +56,14 @@ def test_bad_arguments_are_one_line_errors(
     assert main([*SMALL, flag, value, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_prefix_caching_second_wave_hits(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--device", "cpu", "--model", "test", "--requests", "4",
+            "--max-new-tokens", "4", "--prefix-caching", "--json", "--no-progress"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["outputs_identical"] is True
+    for m in report["modes"].values():
+        assert m["prefix_cache_hits"] == 2  # the second wave of two reuses the shared prompt
+        assert m["prefix_cache_hit_tokens"] == 2 * 32

@@ -150,8 +150,8 @@ def format_report(report: DemoReport) -> str:
         steps = ", ".join(f"{MODE_TITLES[k]} {m.graph_steps}" for k, m in report.modes.items())
         lines.append(f"decode steps replayed from a CUDA graph: {steps}")
     if any(m.prefix_cache_hits for m in report.modes.values()):
-        hits = ", ".join(f"{MODE_TITLES[k]} {m.prefix_cache_hits}"
-                         for k, m in report.modes.items())
+        hits = ", ".join(f"{MODE_TITLES[k]} {m.prefix_cache_hits} ({m.prefix_cache_hit_tokens} "
+                         "prompt tokens not recomputed)" for k, m in report.modes.items())
         lines.append(f"prefix-cache hits: {hits}")
     lines.append(f"wall time {report.wall_seconds:.1f} s")
     return "\n".join(lines)

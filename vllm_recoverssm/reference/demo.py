@@ -85,6 +85,7 @@ class ModeReport:
     planner_state_bytes_per_request: int
     state_pool_bytes: int
     prefix_cache_hits: int
+    prefix_cache_hit_tokens: int
     graph_steps: int
 
 
@@ -129,12 +130,20 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def demo_prompts(count: int, vocab: int, seed: int, longest: int) -> list[list[int]]:
-    """``count`` seeded random prompts with lengths spread from 8 to ``longest`` tokens."""
+def demo_prompts(
+    count: int, vocab: int, seed: int, longest: int, shared_prefix: int = 0
+) -> list[list[int]]:
+    """``count`` seeded random prompts with lengths spread from 8 to ``longest`` tokens.
+
+    With ``shared_prefix`` > 0 every prompt starts with the same that many tokens (a
+    system prompt), which prefix caching can reuse.
+    """
     gen = torch.Generator().manual_seed(seed + 1)
     lengths = [8 + (longest - 8) * i // max(count - 1, 1) for i in range(count)]
     order = torch.randperm(count, generator=gen).tolist()  # mix long and short prompts
-    return [torch.randint(0, vocab, (lengths[i],), generator=gen).tolist() for i in order]
+    shared = torch.randint(0, vocab, (shared_prefix,), generator=gen).tolist()
+    return [shared + torch.randint(0, vocab, (lengths[i],), generator=gen).tolist()
+            for i in order]
 
 
 def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
@@ -149,6 +158,7 @@ def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
         planner_state_bytes_per_request=planned_state_bytes(
             runtime.model.config, mode, runtime.num_spec, runtime.config.prefix_caching),
         state_pool_bytes=pool_bytes, prefix_cache_hits=runtime.cache.stats.hits,
+        prefix_cache_hit_tokens=runtime.cache.stats.hit_tokens,
         graph_steps=s.graph_steps,
     )
 
@@ -164,9 +174,14 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     max_new = options.max_new_tokens or (64 if on_gpu else 32)
     S = options.num_spec
     longest = 64 if on_gpu else 40
-    max_model_len = longest + max_new + S
+    block_size = max(16, S + 1)
+    # With prefix caching the prompts share a two-block system prompt and run in two waves,
+    # so that the second wave can resume from blocks the first one cached.
+    shared = 2 * block_size if options.prefix_caching else 0
+    max_running = -(-num_requests // 2) if options.prefix_caching else num_requests
+    max_model_len = shared + longest + max_new + S
     model: HybridModel = build_model(config, device)
-    prompts = demo_prompts(num_requests, config.vocab_size, options.seed, longest)
+    prompts = demo_prompts(num_requests, config.vocab_size, options.seed, longest, shared)
     phases = (["greedy"] if options.drafter == "oracle" else []) + list(MODES)
     total = len(phases) * num_requests * max_new
     report = DemoReport(
@@ -205,8 +220,8 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     cuda_graph = on_gpu if options.cuda_graph is None else options.cuda_graph
     for mode in MODES:
         runtime = SpecRuntime(model, RuntimeConfig(
-            mode=mode, num_spec=S, max_running=num_requests, max_model_len=max_model_len,
-            block_size=max(16, S + 1), prefix_caching=options.prefix_caching,
+            mode=mode, num_spec=S, max_running=max_running, max_model_len=max_model_len,
+            block_size=block_size, prefix_caching=options.prefix_caching,
             cuda_graph=cuda_graph,
         ), drafter)
         for p in prompts:
