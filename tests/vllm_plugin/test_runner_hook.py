@@ -98,6 +98,8 @@ def state_and_layers(build_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(mamba_hybrid, "_scatter_num_accepted_kernel", _ScatterAccepted())
     cfg = build_config(*MTP3)
+    # the recovery model state sets vLLM's derived flag on the (shared) config
+    monkeypatch.setattr(cfg.cache_config, "use_kda_recoverssm", False)
     gen = torch.Generator().manual_seed(7)
     layers = {name: make_layer(gen) for name in NAMES}
 
@@ -139,6 +141,7 @@ def test_commit_runs_before_capture_and_capture_sees_the_committed_state(
     make, layers, gen = state_and_layers
     state, meta = make(recovery=True)
     assert state.use_recovery and state.recoverssm is not None
+    assert state.vllm_config.cache_config.use_kda_recoverssm  # vLLM's capture limit
     slots = [3, -1, 5]
     pre = {n: (m.kv_cache[1].clone(), m.kv_cache[0].clone()) for n, m in layers.items()}
     inputs = spec_step(layers, [3, 0, 5], gen)

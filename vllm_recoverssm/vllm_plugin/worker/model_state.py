@@ -60,11 +60,15 @@ class RecoverMambaHybridModelState(MambaHybridModelState):
 
     def __init__(self, vllm_config: Any, model: Any, encoder_cache: Any,
                  device: torch.device) -> None:
-        super().__init__(vllm_config, model, encoder_cache, device)
         self.use_recovery = recovery_enabled(vllm_config)
+        if self.use_recovery:
+            # vLLM's derived RecoverSSM flag (it is never set for GLM-5.3 by vLLM). With it,
+            # vLLM's MambaHybridModelState creates the RecoverSSMState whose commit calls
+            # our metadata, and CUDA-graph capture keeps mixed batches within the verify
+            # window (cudagraph_utils); no GLM-5.3 code reads it otherwise.
+            vllm_config.cache_config.use_kda_recoverssm = True
+        super().__init__(vllm_config, model, encoder_cache, device)
         if self.use_recovery and self.recoverssm is None:
-            # vLLM creates it only for its own (Kimi) flag; our metadata implements the
-            # same RecoverSSMMetadata interface, so vLLM's commit plumbing serves GLM.
             self.recoverssm = RecoverSSMState()
 
     def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor | int,
