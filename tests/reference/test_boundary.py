@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from vllm_recoverssm.reference import (
     RuntimeConfig,
     SpecRuntime,
     capture_request,
+    layout_identity,
 )
 
 from .helpers import MAX_MODEL_LEN, MAX_NEW, oracle
@@ -110,3 +113,30 @@ def test_restore_refuses_a_foreign_checkpoint(
                                                          if k != "layer.0"}, logits=ck.logits)
     with pytest.raises(ValueError, match="expected layers"):
         rt.add_request(prompts[0], 4, restore=broken)
+
+
+@pytest.mark.lmcache
+def test_checkpoint_round_trip_through_the_store(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]],
+    tmp_path: Path,
+) -> None:
+    """Prompt checkpoints stored on disk through LMCache restore into a fresh runtime."""
+    pytest.importorskip("lmcache")
+    from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore
+
+    drafter = oracle(tiny_model, prompts, references, 0.3)
+    cold, captured, rt = _capturing_run(tiny_model, prompts, drafter, RECOVERY)
+    config = CheckpointConfig(backend="disk", path=tmp_path / "ckpt", ram_bytes=8 << 20,
+                              chunk_bytes=1 << 20)
+    store = CheckpointStore(config, layout_identity(rt))
+    try:
+        for i in range(len(prompts)):
+            assert store.store(captured[(i, "prompt")]).stored
+        hits = [store.lookup(p) for p in prompts]
+    finally:
+        store.close()
+    assert all(h is not None and h.exact for h in hits)
+    warm, warm_rt = _restored_run(tiny_model, prompts, drafter, RECOVERY,
+                                  [h.checkpoint for h in hits if h is not None])
+    assert warm == cold
+    assert warm_rt.stats.prefill_tokens == 0

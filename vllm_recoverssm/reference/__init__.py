@@ -6,7 +6,7 @@ commit after acceptance) and full-state mode (``S+1`` state columns) must give t
 greedy output token for token.
 """
 
-from .boundary import capture_request, restore_request
+from .boundary import capture_request, layout_identity, restore_request
 from .drafters import (
     Drafter,
     MTPDrafter,
@@ -43,6 +43,7 @@ __all__ = [
     "corruption_for_acceptance",
     "expected_acceptance",
     "greedy_continuations",
+    "layout_identity",
     "restore_request",
     "slots_per_request",
 ]

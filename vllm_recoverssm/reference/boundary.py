@@ -23,11 +23,13 @@ state has zero speculative offset, and :func:`restore_request` resumes with
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_recoverssm.checkpoint import RequestCheckpoint
+from vllm_recoverssm.checkpoint import LayoutIdentity, RequestCheckpoint
 
 from .request import Request
 from .step_inputs import FULL_STATE
@@ -41,6 +43,33 @@ DRAFT_LAYER = "draft"
 def layer_name(index: int) -> str:
     """Checkpoint name of model layer ``index``."""
     return f"layer.{index}"
+
+
+LAYOUT_NAME = "reference-runtime"
+LAYOUT_VERSION = 1
+
+
+def layout_identity(runtime: SpecRuntime) -> LayoutIdentity:
+    """The checkpoint layout identity of ``runtime``: which bundles it may restore.
+
+    The revision is a digest of the model config (sizes, dtype and weight seed), so a
+    bundle is never restored into a model with other weights or shapes.
+    """
+    mc = runtime.model.config
+    config_json = json.dumps(mc.to_dict(), sort_keys=True)
+    act = mc.dtype
+    return LayoutIdentity(
+        model="recoverssm-reference",
+        revision=hashlib.sha256(config_json.encode()).hexdigest()[:16],
+        dtypes={"state": "float32", "conv": act, "kv": act, "hidden": act,
+                "logits": "float32"},
+        layout=LAYOUT_NAME,
+        layout_version=LAYOUT_VERSION,
+        tp_rank=0,
+        tp_size=1,
+        num_speculative_tokens=runtime.num_spec,
+        mode=runtime.mode,  # type: ignore[arg-type]
+    )
 
 
 def _kv_index(req: Request, num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:

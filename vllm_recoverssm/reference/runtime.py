@@ -38,11 +38,12 @@ from vllm_recoverssm.state import SlotAllocator, build_align_commit_plan, build_
 from .drafters import Drafter
 from .kv_pages import PageAllocator
 from .model import HybridModel
-from .pools import NULL_PAGE, ModelPools
+from .pools import ModelPools
 from .prefix_cache import CacheEntry, PrefixCache
 from .request import Request
 from .runtime_config import RuntimeConfig
-from .step_inputs import FULL_STATE, RECOVERY, AttentionInputs, LinearInputs, StepInputs
+from .step_builder import DecodeRow, PrefillRow, build_step_inputs
+from .step_inputs import FULL_STATE, RECOVERY, StepInputs
 
 if TYPE_CHECKING:
     from vllm_recoverssm.checkpoint import RequestCheckpoint
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 BoundaryHook = Callable[["SpecRuntime", Request, str], None]
 """Called as ``hook(runtime, request, boundary)`` with boundary ``"prompt"`` or ``"response"``."""
 
-INDEX = torch.int32
+INDEX = torch.int32  # index dtype of the state ops
 
 
 @dataclass
@@ -84,22 +85,6 @@ class RuntimeStats:
     def tokens_per_second(self) -> float:
         """Generated tokens per second of :meth:`SpecRuntime.run` wall time."""
         return self.generated_tokens / self.seconds if self.seconds else 0.0
-
-
-@dataclass
-class _PrefillRow:
-    request: Request
-    start: int
-    end: int
-    slot: int
-
-
-@dataclass
-class _DecodeRow:
-    request: Request
-    state: int | list[int]
-    conv: int
-    column_row: list[int]
 
 
 class SpecRuntime:
@@ -369,13 +354,13 @@ class SpecRuntime:
             self.pools.copy_slot(req.columns[src_col], req.columns[col])
         return req.columns[col]
 
-    def _decode_row(self, req: Request) -> _DecodeRow:
+    def _decode_row(self, req: Request) -> DecodeRow:
         """Slots one decode row reads and writes (acquiring align-mode columns as needed)."""
         S, B, nc = self.num_spec, self.block_size, req.num_computed
         if self.mode == FULL_STATE:
-            return _DecodeRow(req, list(req.run_slots), req.run_slots[0], [])
+            return DecodeRow(req, list(req.run_slots), req.run_slots[0], [])
         if not self.config.prefix_caching:
-            return _DecodeRow(req, req.run_slots[0], req.run_slots[0], [])
+            return DecodeRow(req, req.run_slots[0], req.run_slots[0], [])
         src = req.columns[(nc - 1) // B]
         col = nc // B
         if col not in req.columns:
@@ -390,7 +375,7 @@ class SpecRuntime:
             req.columns[col + 1] = self._acquire(req, (req.rid, "col", col + 1), 1)[0]
         width = max(req.columns) + 1
         table = [req.columns.get(j, -1) for j in range(width)]
-        return _DecodeRow(req, src, req.columns[col], table)
+        return DecodeRow(req, src, req.columns[col], table)
 
     # ------------------------------------------------------------------ the step
 
@@ -413,11 +398,15 @@ class SpecRuntime:
         for r, d in zip(decode, drafts, strict=True):
             r.drafts = [int(t) for t in d]
         decode_rows = [self._decode_row(r) for r in decode]
-        prefill_rows = [_PrefillRow(r, s, e, self._prefill_slot(r, s)) for r, s, e in prefill]
+        prefill_rows = [PrefillRow(r, s, e, self._prefill_slot(r, s)) for r, s, e in prefill]
         pad = (self.config.pad_decode_rows or self.config.cuda_graph) and not prefill_rows
         num_rows = self.config.max_running if pad else len(decode_rows)
         with torch.inference_mode():
-            step_inputs = self._build_inputs(decode_rows, prefill_rows, num_rows)
+            step_inputs = build_step_inputs(
+                self.mode, decode_rows, prefill_rows, num_rows, num_spec=self.num_spec,
+                block_size=self.block_size, pages_per_request=self.config.pages_per_request,
+                device=self.device,
+            )
             if pad and self.config.cuda_graph:
                 hidden = self._graph_forward(step_inputs)
                 self.stats.graph_steps += 1
@@ -454,77 +443,9 @@ class SpecRuntime:
             self._graph = DecodeGraph(self, step_inputs)
         return self._graph.replay(step_inputs)
 
-    # ------------------------------------------------------------------ inputs
-
-    def _build_inputs(
-        self, decode: list[_DecodeRow], prefill: list[_PrefillRow], num_decode_rows: int
-    ) -> StepInputs:
-        S, B = self.num_spec, self.block_size
-        W = S + 1
-        width = self.config.pages_per_request
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        kv_slots: list[int] = []
-        tables: list[list[int]] = []
-
-        def add_row(req: Request | None, toks: list[int], start: int) -> None:
-            row = len(tables)
-            pages = req.pages if req is not None else []
-            tables.append(pages + [NULL_PAGE] * (width - len(pages)))
-            for j, t in enumerate(toks):
-                pos = start + j
-                tokens.append(t)
-                positions.append(pos if req is not None else 0)
-                rows.append(row)
-                kv_slots.append(pages[pos // B] * B + pos % B if req is not None
-                                else NULL_PAGE * B + j % B)
-
-        for d in decode:
-            r = d.request
-            add_row(r, [r.tokens[r.num_computed], *r.drafts], r.num_computed)
-        for _ in range(num_decode_rows - len(decode)):
-            add_row(None, [0] * W, 0)
-        for p in prefill:
-            add_row(p.request, p.request.tokens[p.start:p.end], p.start)
-
-        dev = self.device
-
-        def t(values: list[int] | list[list[int]], dtype: torch.dtype = INDEX) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        pad = num_decode_rows - len(decode)
-        full = self.mode == FULL_STATE
-        state_idx: list[int] | list[list[int]]
-        if full:
-            state_idx = [list(d.state) for d in decode if isinstance(d.state, list)]
-            state_idx += [[-1] * W] * pad
-        else:
-            state_idx = [d.state for d in decode if isinstance(d.state, int)] + [-1] * pad
-        na = [d.request.num_accepted for d in decode] + [1] * pad
-        prefill_lens = [p.end - p.start for p in prefill]
-        linear = LinearInputs(
-            mode=self.mode,
-            num_decode_tokens=num_decode_rows * W,
-            decode_query_start_loc=t([i * W for i in range(num_decode_rows + 1)]),
-            decode_state_indices=t(state_idx),
-            decode_conv_indices=t([d.conv for d in decode] + [-1] * pad),
-            num_accepted=t(na) if full else None,
-            conv_offsets=t([n - 1 for n in na]) if full else None,
-            prefill_query_start_loc=t([0] + list(_cumsum(prefill_lens))),
-            prefill_state_indices=t([p.slot for p in prefill]),
-        )
-        attention = AttentionInputs(
-            positions=t(positions, torch.int64),
-            row_of_token=t(rows, torch.int64),
-            kv_slots=t(kv_slots, torch.int64),
-            block_tables=t(tables, torch.int64),
-        )
-        return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear)
-
     # ------------------------------------------------------------------ after the pass
 
-    def _after_decode(self, rows: list[_DecodeRow], hidden: torch.Tensor) -> None:
+    def _after_decode(self, rows: list[DecodeRow], hidden: torch.Tensor) -> None:
         if not rows:
             return
         S = self.num_spec
@@ -567,7 +488,7 @@ class SpecRuntime:
             for row in rows:
                 self._retire_blocks(row.request)
 
-    def _commit(self, rows: list[_DecodeRow], num_accepted: torch.Tensor) -> None:
+    def _commit(self, rows: list[DecodeRow], num_accepted: torch.Tensor) -> None:
         """Recovery: replay the accepted records into the checkpoints, then compact conv."""
         S, dev = self.num_spec, self.device
         n = len(rows)
@@ -600,7 +521,7 @@ class SpecRuntime:
             self.stats.boundaries_mid_step += int(inside.sum())
 
     def _capture_full_state_boundaries(
-        self, rows: list[_DecodeRow], num_accepted: torch.Tensor
+        self, rows: list[DecodeRow], num_accepted: torch.Tensor
     ) -> list[tuple[Request, int]]:
         """Full state, align mode: copy the column of a crossed block boundary.
 
@@ -666,7 +587,7 @@ class SpecRuntime:
             req.slot_owners.remove(owner)
         self._keep_reservations()
 
-    def _after_prefill(self, rows: list[_PrefillRow], hidden: torch.Tensor, offset: int) -> None:
+    def _after_prefill(self, rows: list[PrefillRow], hidden: torch.Tensor, offset: int) -> None:
         B = self.block_size
         last = []
         pos = offset
@@ -742,10 +663,3 @@ class SpecRuntime:
         self.pages.drop(req.pages)
         req.pages = []
 
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

@@ -1,0 +1,120 @@
+"""Turn the scheduled rows of one step into the flat tensors the model reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from .pools import NULL_PAGE
+from .request import Request
+from .step_inputs import FULL_STATE, AttentionInputs, LinearInputs, StepInputs
+
+INDEX = torch.int32
+
+
+@dataclass
+class PrefillRow:
+    """``request.tokens[start:end]`` continued from (and written back to) ``slot``."""
+
+    request: Request
+    start: int
+    end: int
+    slot: int
+
+
+@dataclass
+class DecodeRow:
+    """A speculative window: the last sampled token and the drafts.
+
+    ``state`` is the checkpoint slot (recovery) or the ``S+1`` state columns (full state),
+    ``conv`` the slot whose conv window the step writes, ``column_row`` the request's
+    align-mode state block table (recovery with prefix caching; empty otherwise).
+    """
+
+    request: Request
+    state: int | list[int]
+    conv: int
+    column_row: list[int]
+
+
+def build_step_inputs(
+    mode: str,
+    decode: list[DecodeRow],
+    prefill: list[PrefillRow],
+    num_decode_rows: int,
+    *,
+    num_spec: int,
+    block_size: int,
+    pages_per_request: int,
+    device: torch.device,
+) -> StepInputs:
+    """Decode rows first (padded with null rows up to ``num_decode_rows``), then prefill rows.
+
+    Null rows read and write no state (slot -1), write their keys into the null page and
+    attend to nothing real; their outputs are ignored. Block tables are always
+    ``pages_per_request`` wide so that every step of a run has the same attention shapes.
+    """
+    W, B = num_spec + 1, block_size
+    tokens: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    kv_slots: list[int] = []
+    tables: list[list[int]] = []
+
+    def add_row(req: Request | None, toks: list[int], start: int) -> None:
+        row = len(tables)
+        pages = req.pages if req is not None else []
+        tables.append(pages + [NULL_PAGE] * (pages_per_request - len(pages)))
+        for j, tok in enumerate(toks):
+            pos = start + j
+            tokens.append(tok)
+            rows.append(row)
+            if req is None:
+                positions.append(0)
+                kv_slots.append(NULL_PAGE * B + j % B)
+            else:
+                positions.append(pos)
+                kv_slots.append(pages[pos // B] * B + pos % B)
+
+    for d in decode:
+        r = d.request
+        add_row(r, [r.tokens[r.num_computed], *r.drafts], r.num_computed)
+    pad = num_decode_rows - len(decode)
+    for _ in range(pad):
+        add_row(None, [0] * W, 0)
+    for p in prefill:
+        add_row(p.request, p.request.tokens[p.start:p.end], p.start)
+
+    def t(values: list[int] | list[list[int]], dtype: torch.dtype = INDEX) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    full = mode == FULL_STATE
+    state_idx: list[int] | list[list[int]]
+    if full:
+        state_idx = [list(d.state) for d in decode if isinstance(d.state, list)]
+        state_idx += [[-1] * W] * pad
+    else:
+        state_idx = [d.state for d in decode if isinstance(d.state, int)] + [-1] * pad
+    if len(state_idx) != num_decode_rows:
+        raise ValueError(f"argument 'decode': rows do not match mode {mode!r}")
+    na = [d.request.num_accepted for d in decode] + [1] * pad
+    linear = LinearInputs(
+        mode=mode,
+        num_decode_tokens=num_decode_rows * W,
+        decode_query_start_loc=t([i * W for i in range(num_decode_rows + 1)]),
+        decode_state_indices=t(state_idx),
+        decode_conv_indices=t([d.conv for d in decode] + [-1] * pad),
+        num_accepted=t(na) if full else None,
+        conv_offsets=t([n - 1 for n in na]) if full else None,
+        prefill_query_start_loc=t([0, *accumulate(p.end - p.start for p in prefill)]),
+        prefill_state_indices=t([p.slot for p in prefill]),
+    )
+    attention = AttentionInputs(
+        positions=t(positions, torch.int64),
+        row_of_token=t(rows, torch.int64),
+        kv_slots=t(kv_slots, torch.int64),
+        block_tables=t(tables, torch.int64),
+    )
+    return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear)
