@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_recoverssm.reference import (
@@ -64,3 +66,18 @@ def test_wrong_commit_count_breaks_equivalence(
     wrong, _ = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3,
                    debug_commit_shift=shift)
     assert wrong != full
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on a CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("mode", [RECOVERY, FULL_STATE])
+def test_runtime_on_the_triton_kernels(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]], mode: str
+) -> None:
+    """The kernels (interpreted) drive the same runtime: padded null rows, align mode."""
+    few = prompts[:3]
+    drafter = oracle(tiny_model, few, references[:3], 0.3)
+    out, rt = run(tiny_model, few, drafter, mode=mode, num_spec=3, block_size=4, max_new=8,
+                  prefix_caching=True, pad_decode_rows=True, max_running=4, backend="triton")
+    assert out == [r[:8] for r in references[:3]]
+    assert rt.stats.boundaries_mid_step > 0

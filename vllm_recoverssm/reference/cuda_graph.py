@@ -55,6 +55,7 @@ def _clone_inputs(inputs: StepInputs) -> StepInputs:
             prefill_state_indices=lin.prefill_state_indices.clone(),
         ),
         validate=False,
+        backend=inputs.backend,
     )
 
 

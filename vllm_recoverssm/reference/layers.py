@@ -188,7 +188,8 @@ class KDAMixer(nn.Module):
         _normal_(self.dt_bias, gen, 1.0, mean=-2.0)
 
     def forward(
-        self, x: torch.Tensor, lin: LinearInputs, pools: KDALayerPools, validate: bool
+        self, x: torch.Tensor, lin: LinearInputs, pools: KDALayerPools, validate: bool,
+        backend: str = "auto",
     ) -> torch.Tensor:
         """Mixer output ``[T, hidden]``; reads and writes the state per ``lin``."""
         T = x.shape[0]
@@ -201,6 +202,7 @@ class KDAMixer(nn.Module):
                 qkv[:Td].contiguous(), pools.conv, self.conv_weight, None,
                 lin.decode_conv_indices, lin.decode_query_start_loc,
                 conv_offsets=lin.conv_offsets, activation="silu", validate=validate,
+                backend=backend,
             ))
         if lin.num_prefill_rows:
             parts.append(ops.conv_prefill(
@@ -220,13 +222,13 @@ class KDAMixer(nn.Module):
                 assert lin.num_accepted is not None
                 outs.append(ops.verify_full(
                     *args, lin.num_accepted, lin.decode_query_start_loc,
-                    lower_bound=self.lower_bound, validate=validate,
+                    lower_bound=self.lower_bound, validate=validate, backend=backend,
                 ))
             else:
                 assert pools.corrections is not None and pools.kg is not None
                 outs.append(ops.verify_recovery(
                     *args, lin.decode_query_start_loc, pools.corrections, pools.kg,
-                    lower_bound=self.lower_bound, validate=validate,
+                    lower_bound=self.lower_bound, validate=validate, backend=backend,
                 ))
         if lin.num_prefill_rows:
             outs.append(ops.prefill(

@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mixer, PagedAttention):
             h = self.mixer(h, step.attention, pools.attention[self.index])
         else:
-            h = self.mixer(h, step.linear, pools.kda[self.index], step.validate)
+            h = self.mixer(h, step.linear, pools.kda[self.index], step.validate, step.backend)
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 

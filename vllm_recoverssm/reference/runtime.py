@@ -405,7 +405,7 @@ class SpecRuntime:
             step_inputs = build_step_inputs(
                 self.mode, decode_rows, prefill_rows, num_rows, num_spec=self.num_spec,
                 block_size=self.block_size, pages_per_request=self.config.pages_per_request,
-                device=self.device,
+                device=self.device, backend=self.config.backend,
             )
             if pad and self.config.cuda_graph:
                 hidden = self._graph_forward(step_inputs)
@@ -512,10 +512,12 @@ class SpecRuntime:
             slots = torch.tensor([d.state for d in rows], dtype=INDEX, device=dev)
             plan = build_commit_plan(slots, commit_counts, query_lens, num_spec=S)
             conv_plan = plan
+        backend = self.config.backend
         ops.commit(self.pools.states, self.pools.corrections, self.pools.kgs, self._A_log,
-                   self._dt_bias, plan, lower_bound=self.model.config.lower_bound)
+                   self._dt_bias, plan, lower_bound=self.model.config.lower_bound,
+                   backend=backend)
         ops.conv_compact(self.pools.convs, conv_plan,
-                         kernel_width=self.model.config.conv_kernel)
+                         kernel_width=self.model.config.conv_kernel, backend=backend)
         if plan.boundary_indices is not None and plan.boundary_lens is not None:
             inside = (plan.boundary_indices >= 0) & (plan.boundary_lens < plan.commit_lens)
             self.stats.boundaries_mid_step += int(inside.sum())
@@ -638,7 +640,8 @@ class SpecRuntime:
             state_indices=torch.tensor([req.run_slots[0]], dtype=INDEX, device=dev),
             commit_lens=torch.tensor([req.num_accepted], dtype=INDEX, device=dev),
         )
-        ops.conv_compact(self.pools.convs, plan, kernel_width=self.model.config.conv_kernel)
+        ops.conv_compact(self.pools.convs, plan, kernel_width=self.model.config.conv_kernel,
+                         backend=self.config.backend)
         req.num_accepted = 1
 
     def _finish_done(self) -> None:

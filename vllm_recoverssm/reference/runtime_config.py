@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_recoverssm.ops import BACKENDS
+
 from .step_inputs import FULL_STATE, MODES, RECOVERY
 
 
@@ -32,8 +34,11 @@ class RuntimeConfig:
     ``max_running`` requests plus ``max_cached_blocks`` cached blocks; smaller pools make
     requests wait. ``cuda_graph`` replays pure decode steps from a CUDA graph;
     ``pad_decode_rows`` pads those steps to ``max_running`` rows (the graph always does).
-    ``debug_commit_shift`` commits that many tokens more than accepted (recovery only): a
-    deliberately wrong runtime, used only by the negative-control tests.
+    ``backend`` picks the state ops' implementation (``"auto"``: Triton kernels on CUDA
+    tensors, the PyTorch reference elsewhere; ``"triton"`` on a CPU needs
+    ``TRITON_INTERPRET=1``). ``debug_commit_shift`` commits that many tokens more than
+    accepted (recovery only): a deliberately wrong runtime, used only by the
+    negative-control tests.
     """
 
     mode: str = RECOVERY
@@ -48,6 +53,7 @@ class RuntimeConfig:
     num_pages: int | None = None
     cuda_graph: bool = False
     pad_decode_rows: bool = False
+    backend: str = "auto"
     debug_commit_shift: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +81,10 @@ class RuntimeConfig:
             )
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"argument 'num_pages': expected >= 2, got {self.num_pages}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"argument 'backend': expected one of {BACKENDS}, got {self.backend!r}"
+            )
         if self.debug_commit_shift and self.mode == FULL_STATE:
             raise ValueError(
                 "argument 'debug_commit_shift': only recovery mode commits; full-state mode "

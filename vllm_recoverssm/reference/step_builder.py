@@ -49,6 +49,7 @@ def build_step_inputs(
     block_size: int,
     pages_per_request: int,
     device: torch.device,
+    backend: str = "auto",
 ) -> StepInputs:
     """Decode rows first (padded with null rows up to ``num_decode_rows``), then prefill rows.
 
@@ -117,4 +118,5 @@ def build_step_inputs(
         kv_slots=t(kv_slots, torch.int64),
         block_tables=t(tables, torch.int64),
     )
-    return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear)
+    return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear,
+                      backend=backend)

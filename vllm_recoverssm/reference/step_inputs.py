@@ -77,13 +77,15 @@ class StepInputs:
     """Everything one forward step reads: token ids plus attention and KDA addressing.
 
     ``validate`` asks the ops to check their arguments (reads device values, so a CUDA-graph
-    capture passes ``False`` after an eager step validated the same buffers).
+    capture passes ``False`` after an eager step validated the same buffers); ``backend``
+    is the ops' backend (``"auto"``: Triton on CUDA tensors, the reference elsewhere).
     """
 
     token_ids: torch.Tensor
     attention: AttentionInputs
     linear: LinearInputs
     validate: bool = True
+    backend: str = "auto"
 
     @property
     def num_tokens(self) -> int:
