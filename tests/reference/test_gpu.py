@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,15 +66,28 @@ def test_recovery_matches_full_state_on_gpu(
         assert rec_rt.stats.acceptance_rate > 0.0
 
 
+@pytest.fixture(scope="module")
+def gpu_model_fp32() -> HybridModel:
+    """The GPU preset in float32.
+
+    A warm run batches its prefill tail and decode rows differently from a cold run, and
+    GPU matrix products are not batch-invariant: in bfloat16 the resulting last-bit logit
+    differences flip near-tied greedy choices of the random model. In float32 they stay
+    around 1e-7 relative, so the comparison tests the prefix cache, not the GEMM library.
+    """
+    return build_model(dataclasses.replace(GPU_MODEL, dtype="float32"), "cuda")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_prefix_caching_on_gpu(
-    gpu_model: HybridModel, gpu_prompts: list[list[int]], gpu_references: list[list[int]],
-    mode: str,
+    gpu_model_fp32: HybridModel, gpu_prompts: list[list[int]], mode: str,
 ) -> None:
-    drafter = oracle(gpu_model, gpu_prompts, gpu_references, 0.3)
+    refs = greedy_continuations(gpu_model_fp32, gpu_prompts, MAX_NEW + 8,
+                                max_model_len=LEN + 8)
+    drafter = oracle(gpu_model_fp32, gpu_prompts, refs, 0.3)
     common = dict(mode=mode, num_spec=3, max_model_len=LEN, block_size=8, max_new=MAX_NEW)
-    cold, _ = run(gpu_model, gpu_prompts, drafter, **common)  # type: ignore[arg-type]
-    warm, rt = run(gpu_model, gpu_prompts + gpu_prompts, drafter, prefix_caching=True,
+    cold, _ = run(gpu_model_fp32, gpu_prompts, drafter, **common)  # type: ignore[arg-type]
+    warm, rt = run(gpu_model_fp32, gpu_prompts + gpu_prompts, drafter, prefix_caching=True,
                    max_running=8, **common)  # type: ignore[arg-type]
     assert warm == cold + cold
     assert rt.cache.stats.hits > 0

@@ -98,7 +98,9 @@ def _verify_kernel(
                                            BOUNDED)), 1.0)
         s = s * a_t[None, :]
         c_t = b_t * (v_t - tl.sum(s * k_t[None, :], axis=1))
-        s = s + c_t[:, None] * k_t[None, :]
+        # an explicit fma, as in the commit kernel: the compiler may not contract
+        # s * a + c * k two different ways, so commit reproduces this state bit for bit
+        s = tl.fma(c_t[:, None], k_t[None, :], s)
         o_t = tl.sum(s * q_t[None, :], axis=1)
         tl.store(out_ptr + row * V + vv, o_t.to(out_ptr.dtype.element_ty), mask=vmask)
         if FULL_STATE:
@@ -184,9 +186,9 @@ def _commit_kernel(
         c_t = tl.load(corr_ptr + rrow * c_stride + (h * NCOLS + t) * V + vv)
         k_t = raw_k / tl.sqrt(tl.sum(raw_k * raw_k, axis=0) + EPS)
         a_t = tl.exp(_gate(raw_g, a_coef, dtb, LOWER_BOUND, BOUNDED))
-        # same two statements as verify, so the committed state matches verify's
+        # the same rounding steps as verify: decay, then one fma
         s = s * a_t[None, :]
-        s = s + c_t[:, None] * k_t[None, :]
+        s = tl.fma(c_t[:, None], k_t[None, :], s)
         if HAS_BOUNDARY:
             if (bslot >= 0) & (t + 1 == blen):
                 tl.store(state_ptr + bslot * s_stride + tile, s)
