@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 
 from vllm_recoverssm.checkpoint import LayoutIdentity, RequestCheckpoint
@@ -63,3 +66,26 @@ def make_checkpoint(
         has_images=has_images,
         meta={"num_accepted": 1},
     )
+
+
+HEADER = 28
+"""Bytes of LMCache's ``RemoteMetadata`` header in front of every fs object (one group)."""
+
+
+def manifest_file(root: Path, n: int) -> Path:
+    """The file holding the manifest of the ``n``-token bundle (the only one of that length)."""
+    (path,) = [p for p in root.glob("*.data") if f"kind%manifest@ntok%{n}." in p.name]
+    return path
+
+
+def part_files(root: Path, n: int) -> list[Path]:
+    """The files holding the parts of the ``n``-token bundle, in part order."""
+    parts = [p for p in root.glob("*.data") if f"kind%chunk@ntok%{n}@" in p.name]
+    return sorted(parts, key=lambda p: int(re.search(r"part%(\d+)", p.name).group(1)))  # type: ignore[union-attr]
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))

@@ -19,31 +19,19 @@ import pytest
 from vllm_recoverssm.checkpoint import CheckpointStore, RequestCheckpoint
 
 from .conftest import open_store
-from .helpers import make_checkpoint, make_identity, make_tokens
+from .helpers import (
+    HEADER,
+    flip_bit,
+    make_checkpoint,
+    make_identity,
+    make_tokens,
+    manifest_file,
+    part_files,
+)
 
 pytestmark = pytest.mark.lmcache
 
-HEADER = 28  # LMCache's RemoteMetadata header in front of every fs object (one group)
 SHORT, LONG = 12, 300
-
-
-def manifest_file(root: Path, n: int) -> Path:
-    """The file holding the manifest of the ``n``-token bundle."""
-    (path,) = [p for p in root.glob("*.data") if f"kind%manifest@ntok%{n}." in p.name]
-    return path
-
-
-def part_files(root: Path, n: int) -> list[Path]:
-    """The files holding the parts of the ``n``-token bundle, in part order."""
-    parts = [p for p in root.glob("*.data") if f"kind%chunk@ntok%{n}@" in p.name]
-    return sorted(parts, key=lambda p: int(re.search(r"part%(\d+)", p.name).group(1)))  # type: ignore[union-attr]
-
-
-def flip_bit(path: Path, offset: int) -> None:
-    """Flip the lowest bit of the byte at ``offset``."""
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 1
-    path.write_bytes(bytes(data))
 
 
 @pytest.fixture
@@ -62,7 +50,7 @@ def _truncate(path: Path, keep: int) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
-DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "truncated part": (
         lambda root: _truncate(part_files(root, LONG)[1], HEADER + 100),
         "part 1 of .* missing or unreadable",

@@ -6,7 +6,7 @@ commit after acceptance) and full-state mode (``S+1`` state columns) must give t
 greedy output token for token.
 """
 
-from .boundary import capture_request, layout_identity, restore_request
+from .boundary import capture_linear, capture_request, layout_identity, restore_request
 from .drafters import (
     Drafter,
     MTPDrafter,
@@ -39,6 +39,7 @@ __all__ = [
     "RuntimeStats",
     "SpecRuntime",
     "build_model",
+    "capture_linear",
     "capture_request",
     "corruption_for_acceptance",
     "expected_acceptance",

@@ -18,13 +18,20 @@ capture), so the checkpoint slot is read as it is. Full state: the capture reads
 at column ``num_accepted - 1`` and the conv history at offset ``num_accepted - 1``, and only
 then compacts the request (state to column 0, history to offset 0). Either way the captured
 state has zero speculative offset, and :func:`restore_request` resumes with
-``num_accepted = 1`` in either mode.
+``num_accepted = 1`` in either mode. The recovery order is not a convention: a capture taken
+before the commit would label the state after the previous step with the tokens after this
+one (``RuntimeConfig.debug_capture_before_commit`` builds that wrong runtime, and a test
+shows its bundles restore a wrong state).
+
+A request that carried images is captured with ``has_images`` set, and the checkpoint store
+refuses to export it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,17 +85,14 @@ def _kv_index(req: Request, num_tokens: int, block_size: int, device: torch.devi
     return (pages * block_size + pos % block_size).to(device)
 
 
-def capture_request(runtime: SpecRuntime, req: Request, boundary: str) -> RequestCheckpoint:
-    """The request's complete state after its computed tokens, at zero speculative offset.
+def capture_linear(runtime: SpecRuntime, req: Request) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies of every KDA layer's ``state`` and ``conv`` history as the pools hold them now.
 
-    Call it from the runtime's ``on_boundary`` hook (``boundary`` is ``"prompt"`` or
-    ``"response"``). Full-state mode compacts the request after reading it (see the module
-    docstring for the order).
+    Recovery reads the checkpoint slot (history at offset 0); full state reads column
+    ``num_accepted - 1`` and the history at that offset. Only right after the step's commit
+    and compaction (recovery) do these describe the request's computed tokens.
     """
-    if req.last_logits is None or req.last_hidden is None:
-        raise ValueError(f"argument 'req': request {req.rid} has computed no token yet")
     pools = runtime.pools
-    n = req.num_computed
     hist = runtime.model.config.conv_kernel - 1
     if runtime.mode == FULL_STATE:
         state_slot = req.run_slots[req.num_accepted - 1]
@@ -96,12 +100,37 @@ def capture_request(runtime: SpecRuntime, req: Request, boundary: str) -> Reques
     else:
         state_slot = conv_slot = runtime.running_state_slot(req)
         offset = 0
-    layers: dict[str, dict[str, torch.Tensor]] = {}
-    for i, p in pools.kda.items():
-        layers[layer_name(i)] = {
+    return {
+        layer_name(i): {
             "state": p.state[state_slot].clone(),
             "conv": p.conv[conv_slot, :, offset:offset + hist].clone(),
         }
+        for i, p in pools.kda.items()
+    }
+
+
+def capture_request(
+    runtime: SpecRuntime,
+    req: Request,
+    boundary: str,
+    *,
+    linear: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+) -> RequestCheckpoint:
+    """The request's complete state after its computed tokens, at zero speculative offset.
+
+    The runtime calls it at both request boundaries when it has a checkpoint store; an
+    ``on_boundary`` hook may call it too (``boundary`` is ``"prompt"`` or ``"response"``).
+    Full-state mode compacts the request after reading it (see the module docstring for
+    the order). ``linear`` replaces the KDA tensors read now by ones read earlier with
+    :func:`capture_linear`; only the negative-control runtime passes it.
+    """
+    if req.last_logits is None or req.last_hidden is None:
+        raise ValueError(f"argument 'req': request {req.rid} has computed no token yet")
+    pools = runtime.pools
+    n = req.num_computed
+    if linear is None:
+        linear = capture_linear(runtime, req)
+    layers = {name: dict(tensors) for name, tensors in linear.items()}
     kv_index = _kv_index(req, n, runtime.block_size, runtime.device)
     for i, a in pools.attention.items():
         heads, dim = a.keys.shape[2:]
@@ -115,6 +144,7 @@ def capture_request(runtime: SpecRuntime, req: Request, boundary: str) -> Reques
         layers=layers,
         logits=req.last_logits.clone(),
         boundary=boundary,  # type: ignore[arg-type]
+        has_images=req.has_images,
         meta={"num_accepted": 1, "mode": runtime.mode},
     )
     runtime.compact_full_state(req)
@@ -138,35 +168,43 @@ def check_restorable(runtime: SpecRuntime, req: Request, checkpoint: RequestChec
         )
     H, D, C = mc.num_kda_heads, mc.kda_head_dim, mc.conv_channels
     Ha, Da = mc.num_attn_heads, mc.attn_head_dim
-    shapes: dict[tuple[str, str], tuple[int, ...]] = {(DRAFT_LAYER, "hidden"): (mc.hidden_size,)}
+    pools = runtime.pools
+    state_dt, conv_dt = pools.states[0].dtype, pools.convs[0].dtype
+    kv_dt = next(iter(pools.attention.values())).keys.dtype if pools.attention else conv_dt
+    specs: dict[tuple[str, str], tuple[tuple[int, ...], torch.dtype]] = {
+        (DRAFT_LAYER, "hidden"): ((mc.hidden_size,), mc.torch_dtype),
+    }
     for i in mc.kda_layers:
-        shapes[(layer_name(i), "state")] = (H, D, D)
-        shapes[(layer_name(i), "conv")] = (C, mc.conv_kernel - 1)
+        specs[(layer_name(i), "state")] = ((H, D, D), state_dt)
+        specs[(layer_name(i), "conv")] = ((C, mc.conv_kernel - 1), conv_dt)
     for i in mc.attention_layers:
-        shapes[(layer_name(i), "keys")] = (n, Ha, Da)
-        shapes[(layer_name(i), "values")] = (n, Ha, Da)
-    for (lname, tname), shape in shapes.items():
+        specs[(layer_name(i), "keys")] = ((n, Ha, Da), kv_dt)
+        specs[(layer_name(i), "values")] = ((n, Ha, Da), kv_dt)
+    for (lname, tname), (shape, dtype) in specs.items():
         tensor = checkpoint.layers[lname].get(tname)
-        if tensor is None or tuple(tensor.shape) != shape:
-            got = None if tensor is None else list(tensor.shape)
+        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            got = None if tensor is None else f"{list(tensor.shape)} {tensor.dtype}"
             raise ValueError(
                 f"argument 'restore': layer {lname!r} tensor {tname!r} expected shape "
-                f"{list(shape)}, got {got}"
+                f"{list(shape)} {dtype}, got {got}"
             )
-    if tuple(checkpoint.logits.shape) != (mc.vocab_size,):
+    if tuple(checkpoint.logits.shape) != (mc.vocab_size,) or (
+        checkpoint.logits.dtype != torch.float32
+    ):
         raise ValueError(
-            f"argument 'restore': expected logits of shape [{mc.vocab_size}], got "
-            f"{list(checkpoint.logits.shape)}"
+            f"argument 'restore': expected float32 logits of shape [{mc.vocab_size}], got "
+            f"{list(checkpoint.logits.shape)} {checkpoint.logits.dtype}"
         )
 
 
 def restore_request(runtime: SpecRuntime, req: Request, checkpoint: RequestCheckpoint) -> None:
     """Write ``checkpoint`` into a just-admitted request's slot and KV pages.
 
-    The runtime calls this on admission of a request queued with ``restore=``: the request
-    continues at token ``checkpoint.num_tokens`` with ``num_accepted = 1``. When the
-    checkpoint covers the whole prompt, its logits give the first token and the request goes
-    straight to decoding.
+    The runtime calls this on admission of a request queued with ``restore=`` or found in
+    its checkpoint store: the request continues at token ``checkpoint.num_tokens`` with
+    ``num_accepted = 1``, and the restored tokens count as an external hit (never as a hit
+    of the runtime's own prefix cache). When the checkpoint covers the whole prompt, its
+    logits give the first token and the request goes straight to decoding.
     """
     n = checkpoint.num_tokens
     dev = runtime.device
@@ -187,6 +225,7 @@ def restore_request(runtime: SpecRuntime, req: Request, checkpoint: RequestCheck
     req.num_computed = n
     req.num_accepted = 1
     req.restored_tokens = n
+    runtime.stats.external_hits += 1
     req.last_hidden = checkpoint.layers[DRAFT_LAYER]["hidden"].to(dev)
     req.last_logits = checkpoint.logits.to(dev)
     runtime.stats.restored_tokens += n

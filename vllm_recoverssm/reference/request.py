@@ -25,6 +25,10 @@ class Request:
     * full state: ``run_slots`` = the ``S+1`` state columns; the latest state is column
       ``num_accepted - 1``, and the conv history sits at offset ``num_accepted - 1`` of
       column 0's window; with prefix caching ``boundary_slot`` receives block states.
+
+    ``restored_tokens`` prompt tokens came from a checkpoint (an external hit) and
+    ``prefix_hit_tokens`` from the runtime's own prefix cache; ``has_images`` keeps the
+    request out of the checkpoint store.
     """
 
     rid: int
@@ -46,6 +50,7 @@ class Request:
     accept_lengths: list[int] = field(default_factory=list)
     prefix_hit_tokens: int = 0
     restored_tokens: int = 0
+    has_images: bool = False
     finished: bool = False
 
     def __post_init__(self) -> None:

@@ -17,8 +17,10 @@ Each :meth:`SpecRuntime.step` runs one forward pass over a flat batch: the decod
   column of the boundary token with ``ops.capture_boundary``).
 
 Requests wait when the state pool or the KV pages cannot hold them, and release every slot
-and page when they finish. See :mod:`.boundary` for the request-boundary capture/restore
-hooks a checkpoint store uses.
+and page when they finish. With a checkpoint store (``RuntimeConfig.checkpoint``) a request
+is looked up on admission and restored from the longest stored prefix of its prompt, and is
+exported at the end of its prompt and of its response (:mod:`.checkpointing`,
+:mod:`.boundary`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ from .step_builder import DecodeRow, PrefillRow, build_step_inputs
 from .step_inputs import FULL_STATE, RECOVERY, StepInputs
 
 if TYPE_CHECKING:
-    from vllm_recoverssm.checkpoint import RequestCheckpoint
+    from vllm_recoverssm.checkpoint import CheckpointStore, RequestCheckpoint
 
+    from .checkpointing import RuntimeCheckpoints
     from .cuda_graph import DecodeGraph
 
 BoundaryHook = Callable[["SpecRuntime", Request, str], None]
@@ -71,7 +74,11 @@ class RuntimeStats:
     max_concurrent: int = 0
     peak_slots_per_request: int = 0
     wait_events: int = 0
+    external_hits: int = 0
     restored_tokens: int = 0
+    checkpoints_exported: int = 0
+    checkpoint_rejected: int = 0
+    checkpoint_seconds: float = 0.0
     prefill_tokens: int = 0
     boundaries_mid_step: int = 0
     seconds: float = 0.0
@@ -91,7 +98,10 @@ class SpecRuntime:
     """Serves requests on a :class:`HybridModel` with speculative decoding.
 
     ``drafter=None`` decodes without speculation (one token per step through the prefill
-    path): the plain greedy reference the speculative modes must reproduce.
+    path): the plain greedy reference the speculative modes must reproduce. With
+    ``config.checkpoint`` set, building the runtime builds its checkpoint store (and raises
+    ``CheckpointConfigError`` if LMCache is missing or misconfigured); :meth:`close`
+    releases it.
     """
 
     def __init__(
@@ -129,6 +139,30 @@ class SpecRuntime:
         self._next_rid = 0
         self.stats = RuntimeStats(accept_histogram=[0] * (config.num_spec + 1))
         self._graph: DecodeGraph | None = None
+        # linear state read before the commit (negative-control runtime only), by request
+        self._early_linear: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        self.checkpoints: RuntimeCheckpoints | None = None
+        if config.checkpoint is not None:
+            from .checkpointing import RuntimeCheckpoints
+
+            self.checkpoints = RuntimeCheckpoints(self, config.checkpoint)
+
+    @property
+    def checkpoint_store(self) -> CheckpointStore | None:
+        """The runtime's checkpoint store, if ``config.checkpoint`` is set."""
+        return self.checkpoints.store if self.checkpoints is not None else None
+
+    def close(self) -> None:
+        """Release the checkpoint store (if any); the runtime cannot export afterwards."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            self.checkpoints = None
+
+    def __enter__(self) -> SpecRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -148,12 +182,15 @@ class SpecRuntime:
         max_new_tokens: int,
         *,
         restore: RequestCheckpoint | None = None,
+        has_images: bool = False,
     ) -> Request:
         """Queue a request; it runs when its slots and pages fit.
 
         ``restore`` resumes from a checkpoint whose tokens are a prefix of ``prompt`` (see
         :func:`.boundary.restore_request`); a checkpoint of the whole prompt needs no
-        prefill at all (its logits give the first token).
+        prefill at all (its logits give the first token). ``has_images`` marks a request
+        that carried images: it is never exported to, nor restored from, the checkpoint
+        store.
         """
         prompt = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
@@ -181,7 +218,12 @@ class SpecRuntime:
                 f"{self._pages_needed(len(prompt), max_new_tokens)} KV pages, the pool has "
                 f"{self.pages.capacity}"
             )
-        req = Request(rid=self._next_rid, prompt=prompt, max_new_tokens=max_new_tokens)
+        if not isinstance(has_images, bool):
+            raise ValueError(
+                f"argument 'has_images': expected a bool, got {type(has_images).__name__}"
+            )
+        req = Request(rid=self._next_rid, prompt=prompt, max_new_tokens=max_new_tokens,
+                      has_images=has_images)
         self._next_rid += 1
         if restore is not None:
             from .boundary import check_restorable
@@ -258,11 +300,18 @@ class SpecRuntime:
         entry: CacheEntry | None = None
         if restore is None and self.config.prefix_caching:
             entry = self.cache.find(req.prompt, len(req.prompt) - 1)
-            if entry is not None:
-                hit_pages = entry.num_tokens // self.block_size
-                key = tuple(req.prompt[: entry.num_tokens])
-                if not self._make_room(need_slots, total_pages - hit_pages, protect=key):
-                    entry = None  # keeping the block would not leave room: admit cold
+        if restore is None and self.checkpoints is not None:
+            # External hits only where they reach past the runtime's own cache.
+            local = entry.num_tokens if entry is not None else 0
+            restore = self.checkpoints.lookup(req, min_tokens=local + 1)
+            if restore is not None:
+                self._restores[req.rid] = restore
+                entry = None
+        if entry is not None:
+            hit_pages = entry.num_tokens // self.block_size
+            key = tuple(req.prompt[: entry.num_tokens])
+            if not self._make_room(need_slots, total_pages - hit_pages, protect=key):
+                entry = None  # keeping the block would not leave room: admit cold
         if entry is None and not self._make_room(need_slots, total_pages):
             return False
         if self.config.prefix_caching and restore is None:
@@ -273,6 +322,8 @@ class SpecRuntime:
             self._allocate(req, total_pages, start=restore.num_tokens)
             restore_request(self, req, restore)
             del self._restores[req.rid]
+            if self.checkpoints is not None:
+                self.checkpoints.forget(req)
         elif entry is not None:
             self.pages.share(list(entry.pages))
             req.pages = list(entry.pages)
@@ -461,6 +512,8 @@ class SpecRuntime:
         num_accepted = (accepted_drafts + 1).to(INDEX)
         crossed: list[tuple[Request, int]] = []
         if self.mode == RECOVERY:
+            if self.config.debug_capture_before_commit:
+                self._capture_before_commit(rows)
             self._commit(rows, num_accepted)
         elif self.config.prefix_caching:
             crossed = self._capture_full_state_boundaries(rows, num_accepted)
@@ -487,6 +540,19 @@ class SpecRuntime:
         if self.config.prefix_caching:
             for row in rows:
                 self._retire_blocks(row.request)
+
+    def _capture_before_commit(self, rows: list[DecodeRow]) -> None:
+        """Negative control: read the linear state of rows that may finish, before the commit.
+
+        A response-boundary export then pairs the state before this step with the tokens
+        after it: the wrong order the capture-order test shows restores a wrong state.
+        """
+        from .boundary import capture_linear
+
+        for row in rows:
+            r = row.request
+            if r.remaining <= self.num_spec + 1:  # may finish in this step
+                self._early_linear[r.rid] = capture_linear(self, r)
 
     def _commit(self, rows: list[DecodeRow], num_accepted: torch.Tensor) -> None:
         """Recovery: replay the accepted records into the checkpoints, then compact conv."""
@@ -611,8 +677,8 @@ class SpecRuntime:
             r.last_hidden = h[j].clone()
             r.last_logits = logits[j].clone()
             self.stats.generated_tokens += 1
-            if prompt_done and self.on_boundary is not None:
-                self.on_boundary(self, r, "prompt")
+            if prompt_done:
+                self._at_boundary(r, "prompt")
         if self.config.prefix_caching:
             for p in rows:
                 r = p.request
@@ -644,10 +710,22 @@ class SpecRuntime:
                          backend=self.config.backend)
         req.num_accepted = 1
 
+    def _at_boundary(self, req: Request, boundary: str) -> None:
+        """End of the prompt or of the response: export to the store, then the user's hook.
+
+        Recovery has committed and compacted the accepted tokens already (the step did), so
+        the export reads the state as it is; full state captures the accepted column and
+        then compacts, after which a hook's own capture reads the same state at column 0.
+        """
+        if self.checkpoints is not None:
+            linear = self._early_linear.pop(req.rid, None) if boundary == "response" else None
+            self.checkpoints.export(req, boundary, linear=linear)
+        if self.on_boundary is not None:
+            self.on_boundary(self, req, boundary)
+
     def _finish_done(self) -> None:
         for r in [r for r in self.running if r.done]:
-            if self.on_boundary is not None:
-                self.on_boundary(self, r, "response")
+            self._at_boundary(r, "response")
             if self.config.prefix_caching and self.mode == RECOVERY:
                 self._retire_blocks(r, final=True)
             self._release(r)

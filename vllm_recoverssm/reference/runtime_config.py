@@ -1,10 +1,11 @@
-"""Settings of the reference runtime: state mode, speculation, pool sizes, prefix caching."""
+"""Settings of the reference runtime: mode, speculation, pools, prefix caching, checkpoints."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from vllm_recoverssm.checkpoint import CheckpointConfig
 from vllm_recoverssm.ops import BACKENDS
 
 from .step_inputs import FULL_STATE, MODES, RECOVERY
@@ -36,9 +37,13 @@ class RuntimeConfig:
     ``pad_decode_rows`` pads those steps to ``max_running`` rows (the graph always does).
     ``backend`` picks the state ops' implementation (``"auto"``: Triton kernels on CUDA
     tensors, the PyTorch reference elsewhere; ``"triton"`` on a CPU needs
-    ``TRITON_INTERPRET=1``). ``debug_commit_shift`` commits that many tokens more than
-    accepted (recovery only): a deliberately wrong runtime, used only by the
-    negative-control tests.
+    ``TRITON_INTERPRET=1``). ``checkpoint`` gives the runtime a checkpoint store (LMCache
+    RAM or disk, built and checked when the runtime is built): every request looks it up on
+    admission and is exported at the end of its prompt and of its response.
+    ``debug_commit_shift`` commits that many tokens more than accepted (recovery only) and
+    ``debug_capture_before_commit`` reads the linear state of a response-boundary export
+    before the step's commit (recovery with a checkpoint store only): deliberately wrong
+    runtimes, used only by the negative-control tests.
     """
 
     mode: str = RECOVERY
@@ -54,7 +59,9 @@ class RuntimeConfig:
     cuda_graph: bool = False
     pad_decode_rows: bool = False
     backend: str = "auto"
+    checkpoint: CheckpointConfig | None = None
     debug_commit_shift: int = 0
+    debug_capture_before_commit: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +96,18 @@ class RuntimeConfig:
             raise ValueError(
                 "argument 'debug_commit_shift': only recovery mode commits; full-state mode "
                 "has nothing to shift"
+            )
+        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
+            raise ValueError(
+                f"argument 'checkpoint': expected a CheckpointConfig or None, got "
+                f"{type(self.checkpoint).__name__}"
+            )
+        if self.debug_capture_before_commit and (
+            self.mode == FULL_STATE or self.checkpoint is None
+        ):
+            raise ValueError(
+                "argument 'debug_capture_before_commit': only a recovery-mode runtime with a "
+                "checkpoint store exports after a commit"
             )
 
     @property
