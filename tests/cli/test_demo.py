@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ def test_json_reports_identical_outputs(capsys: pytest.CaptureFixture[str]) -> N
     assert rec["state_bytes_per_request"] < full["state_bytes_per_request"]
     assert rec["accept_histogram"] == full["accept_histogram"]
     assert report["prompt_lengths"] and len(report["prompt_lengths"]) == 3
+    assert "checkpoints" not in report  # only with --checkpoint
 
 
 def test_text_report_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,7 +50,8 @@ def test_mtp_drafter(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [("--num-spec", "8", "num-spec"), ("--acceptance", "1.5", "acceptance"),
-     ("--requests", "0", "requests"), ("--threads", "0", "threads")],
+     ("--requests", "0", "requests"), ("--threads", "0", "threads"),
+     ("--checkpoint-dir", "ckpt", "checkpoint-dir")],
 )
 def test_bad_arguments_are_one_line_errors(
     capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
@@ -67,3 +70,40 @@ def test_prefix_caching_second_wave_hits(capsys: pytest.CaptureFixture[str]) -> 
     for m in report["modes"].values():
         assert m["prefix_cache_hits"] == 2  # the second wave of two reuses the shared prompt
         assert m["prefix_cache_hit_tokens"] == 2 * 32
+
+
+@pytest.mark.lmcache
+@pytest.mark.parametrize("backend", ["ram", "disk"])
+def test_checkpoint_second_wave_is_restored(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, backend: str
+) -> None:
+    args = [*SMALL, "--checkpoint", backend, "--json", "--no-progress"]
+    if backend == "disk":
+        args += ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["checkpoint"] == backend
+    assert set(report["checkpoints"]) == {"recovery", "full_state"}
+    for c in report["checkpoints"].values():
+        assert c["outputs_identical"] is True and c["rejected"] == 0
+        # 3 requests: two follow-up turns and one repeated prompt, all restored
+        assert (c["requests"], c["follow_ups"], c["repeats"]) == (3, 2, 1)
+        assert c["hits"] == 3 and c["exact_hits"] == 1
+        # wave 1: prompt + response of 3 requests; wave 2: those of the 2 follow-ups
+        assert c["exported"] == 10
+        assert c["computed_cold"] == c["prompt_tokens"]
+        # a follow-up computes its answer's last token and the 8 new ones; a repeat nothing
+        assert c["computed_restored"] == 2 * (1 + 8)
+        assert c["restored_tokens"] == c["prompt_tokens"] - c["computed_restored"]
+        assert c["cold_seconds"] > 0 and c["restored_seconds"] > 0
+    if backend == "disk":  # a given directory is kept
+        assert any((tmp_path / "ckpt").glob("*kind%manifest*"))
+
+
+@pytest.mark.lmcache
+def test_checkpoint_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--checkpoint", "ram", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints: ram (LMCache LocalCPUBackend)" in out
+    assert "restored outputs equal the cold outputs: yes" in out
+    assert "computed cold -> restored" in out and "saved" in out

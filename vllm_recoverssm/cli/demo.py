@@ -4,8 +4,10 @@ Decodes one batch of prompts with recovery (one checkpoint per request + per-tok
 commit after acceptance) and with full states (S+1 states per request), and prints tokens/s,
 acceptance, the linear-state bytes per request (measured from the allocated pools, beside
 the memory planner's figure) and whether the two outputs are identical. CPU by default, the
-GPU (Triton kernels, CUDA graphs) when one is present. Exit code 1 if the outputs differ or
-the bytes disagree with the planner.
+GPU (Triton kernels, CUDA graphs) when one is present. With --checkpoint ram|disk, every
+prompt and response is exported to LMCache and a second wave of follow-up turns and repeated
+prompts is restored from it, timed against a cold run. Exit code 1 if the outputs differ
+(between the modes, or restored vs cold) or the bytes disagree with the planner.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="target draft acceptance of the oracle drafter, 0..1 (default 0.7)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the state every block (align mode) and reuse shared prefixes")
+    p.add_argument("--checkpoint", choices=("ram", "disk"), default=None,
+                   help="export request-boundary checkpoints to LMCache (CPU RAM, or disk "
+                        "through its fs backend) and restore a second wave from them")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="with --checkpoint disk: keep the bundles in DIR (default: a "
+                        "temporary directory, removed afterwards)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying a CUDA graph")
     p.add_argument("--threads", type=int, default=1,
@@ -153,8 +161,47 @@ def format_report(report: DemoReport) -> str:
         hits = ", ".join(f"{MODE_TITLES[k]} {m.prefix_cache_hits} ({m.prefix_cache_hit_tokens} "
                          "prompt tokens not recomputed)" for k, m in report.modes.items())
         lines.append(f"prefix-cache hits: {hits}")
+    if report.checkpoints:
+        lines += ["", *format_checkpoints(report)]
     lines.append(f"wall time {report.wall_seconds:.1f} s")
     return "\n".join(lines)
+
+
+CHECKPOINT_BACKENDS = {"ram": "LMCache LocalCPUBackend", "disk": "LMCache fs:// backend"}
+
+
+def format_checkpoints(report: DemoReport) -> list[str]:
+    """The checkpoint table: wave 2 restored from LMCache vs computed cold."""
+    first = next(iter(report.checkpoints.values()))
+    lines = [
+        f"checkpoints: {first.backend} ({CHECKPOINT_BACKENDS[first.backend]}); wave 2 = "
+        f"{first.follow_ups} follow-up turns (prompt + answer + new text) and {first.repeats} "
+        "repeated prompts",
+    ]
+    header = (f"{'mode':<11} {'exported':>8} {'hits':>6} {'exact':>5} {'restored tok':>12} "
+              f"{'computed cold -> restored':>25} {'cold s':>7} {'restored s':>10} "
+              f"{'saved':>6}")
+    lines += [header, "-" * len(header)]
+    for mode, c in report.checkpoints.items():
+        computed = f"{c.computed_cold} -> {c.computed_restored}"
+        lines.append(
+            f"{MODE_TITLES[mode]:<11} {c.exported:>8} {f'{c.hits}/{c.requests}':>6} "
+            f"{c.exact_hits:>5} {c.restored_tokens:>12} {computed:>25} "
+            f"{c.cold_seconds:>7.2f} {c.restored_seconds:>10.2f} {c.saved_fraction:>6.0%}"
+        )
+    same = all(c.outputs_identical for c in report.checkpoints.values())
+    io = ", ".join(f"{MODE_TITLES[k]} {c.checkpoint_seconds:.2f} s" for k, c in
+                   report.checkpoints.items())
+    written = sum(c.bytes_written for c in report.checkpoints.values())
+    lines += [
+        "",
+        f"restored outputs equal the cold outputs: {'yes' if same else 'NO'}; "
+        f"{_mib(written)} of bundles written; capture + store + lookup time: {io}",
+    ]
+    rejected = sum(c.rejected for c in report.checkpoints.values())
+    if rejected:
+        lines.append(f"bundles rejected (computed cold instead): {rejected}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, num_spec=args.num_spec, drafter=args.drafter,
         acceptance=args.acceptance, prefix_caching=args.prefix_caching,
         cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,
+        checkpoint=args.checkpoint, checkpoint_dir=args.checkpoint_dir,
     )
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

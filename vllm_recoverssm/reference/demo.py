@@ -3,7 +3,9 @@
 Both runs use the same model, prompts and drafter. The job reports throughput, acceptance,
 the linear-state bytes each request held (measured from the allocated pools, beside the
 memory planner's figure) and whether the two modes produced identical tokens. With the
-oracle drafter it also checks both against plain greedy decoding without speculation.
+oracle drafter it also checks both against plain greedy decoding without speculation. With
+``checkpoint`` set, a second wave of follow-up turns and repeated prompts is restored from
+LMCache and timed against a cold run (:mod:`.demo_checkpoint`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from typing import Any
 import torch
 
 from .accounting import measured_state_bytes, planned_state_bytes
+from .demo_checkpoint import (
+    BACKENDS,
+    FOLLOW_UP_TOKENS,
+    CheckpointPlace,
+    CheckpointReport,
+    run_second_wave,
+    second_wave_prompts,
+)
 from .drafters import Drafter, MTPDrafter, OracleDrafter, corruption_for_acceptance
 from .greedy import greedy_continuations
 from .model import HybridModel, build_model
@@ -45,6 +55,8 @@ class DemoOptions:
     prefix_caching: bool = False
     cuda_graph: bool | None = None
     seed: int = 0
+    checkpoint: str | None = None
+    checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -63,6 +75,11 @@ class DemoOptions:
             raise ValueError(f"argument '--num-spec': expected 1..7, got {self.num_spec}")
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"argument '--acceptance': expected 0..1, got {self.acceptance}")
+        if self.checkpoint is not None and self.checkpoint not in BACKENDS:
+            raise ValueError(f"argument '--checkpoint': expected one of {BACKENDS}, got "
+                             f"{self.checkpoint!r}")
+        if self.checkpoint_dir is not None and self.checkpoint != "disk":
+            raise ValueError("argument '--checkpoint-dir': only --checkpoint disk writes files")
         for name in ("num_requests", "max_new_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -108,15 +125,20 @@ class DemoReport:
     bytes_match_planner: bool = False
     wall_seconds: float = 0.0
     threads: int = 1
+    checkpoint: str | None = None
+    checkpoints: dict[str, CheckpointReport] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        """Identical outputs and measured bytes equal to the planner's."""
-        return self.outputs_identical and self.bytes_match_planner
+        """Identical outputs, measured bytes equal to the planner's, restores equal to cold."""
+        restores_ok = all(c.outputs_identical for c in self.checkpoints.values())
+        return self.outputs_identical and self.bytes_match_planner and restores_ok
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form (the checkpoint fields only when checkpoints were asked for)."""
         out = asdict(self)
+        if self.checkpoint is None:
+            del out["checkpoint"], out["checkpoints"]
         out["ok"] = self.ok
         return out
 
@@ -180,15 +202,22 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     shared = 2 * block_size if options.prefix_caching else 0
     max_running = -(-num_requests // 2) if options.prefix_caching else num_requests
     max_model_len = shared + longest + max_new + S
+    if options.checkpoint is not None:
+        # room for a follow-up turn: prompt + answer + new tokens + its own answer
+        max_model_len += FOLLOW_UP_TOKENS + max_new
     model: HybridModel = build_model(config, device)
     prompts = demo_prompts(num_requests, config.vocab_size, options.seed, longest, shared)
-    phases = (["greedy"] if options.drafter == "oracle" else []) + list(MODES)
+    oracle = options.drafter == "oracle"
+    phases = (["greedy"] if oracle else []) + list(MODES)
+    if options.checkpoint is not None:
+        phases += (["wave 2 greedy"] if oracle else []) + [
+            f"wave 2 {m} {kind}" for m in MODES for kind in ("cold", "restored")]
     total = len(phases) * num_requests * max_new
     report = DemoReport(
         device=str(device), model=config.to_dict(), model_summary=config.describe(),
         num_spec=S, drafter=options.drafter, corruption=None,
         prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), checkpoint=options.checkpoint,
     )
 
     def tracker(phase: str) -> Callable[[int, int], None]:
@@ -202,6 +231,7 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
         return update
 
     drafter: Drafter
+    oracle_drafter: OracleDrafter | None = None
     references: list[list[int]] | None = None
     if options.drafter == "oracle":
         greedy_progress = tracker("greedy")
@@ -212,23 +242,48 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
         greedy_progress(num_requests * max_new, total)
         corruption = corruption_for_acceptance(options.acceptance, S)
         report.corruption = corruption
-        drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, references, strict=True)},
-                                corruption, config.vocab_size, seed=options.seed)
+        drafter = oracle_drafter = OracleDrafter(
+            {tuple(p): r for p, r in zip(prompts, references, strict=True)},
+            corruption, config.vocab_size, seed=options.seed)
     else:
         drafter = MTPDrafter()
     outputs: dict[str, list[list[int]]] = {}
     cuda_graph = on_gpu if options.cuda_graph is None else options.cuda_graph
-    for mode in MODES:
-        runtime = SpecRuntime(model, RuntimeConfig(
-            mode=mode, num_spec=S, max_running=max_running, max_model_len=max_model_len,
-            block_size=block_size, prefix_caching=options.prefix_caching,
-            cuda_graph=cuda_graph,
-        ), drafter)
-        for p in prompts:
-            runtime.add_request(p, max_new)
-        finished = runtime.run(progress=tracker(mode))
-        outputs[mode] = [r.generated for r in finished]
-        report.modes[mode] = _mode_report(runtime, mode)
+    place = (CheckpointPlace(options.checkpoint, options.checkpoint_dir)
+             if options.checkpoint is not None else None)
+    wave2: list[list[int]] | None = None
+    try:
+        for mode in MODES:
+            runtime = SpecRuntime(model, RuntimeConfig(
+                mode=mode, num_spec=S, max_running=max_running, max_model_len=max_model_len,
+                block_size=block_size, prefix_caching=options.prefix_caching,
+                cuda_graph=cuda_graph, checkpoint=place.config if place is not None else None,
+            ), drafter)
+            with runtime:
+                for p in prompts:
+                    runtime.add_request(p, max_new)
+                finished = runtime.run(progress=tracker(mode))
+                outputs[mode] = [r.generated for r in finished]
+                report.modes[mode] = _mode_report(runtime, mode)
+                if place is None:
+                    continue
+                if wave2 is None:
+                    wave2 = second_wave_prompts(prompts, outputs[mode], config.vocab_size,
+                                                options.seed)
+                    if oracle_drafter is not None:
+                        wave2_progress = tracker("wave 2 greedy")
+                        refs2 = greedy_continuations(model, wave2, max_new,
+                                                     max_model_len=max_model_len,
+                                                     max_running=num_requests)
+                        wave2_progress(num_requests * max_new, total)
+                        oracle_drafter.references.update(
+                            {tuple(p): r for p, r in zip(wave2, refs2, strict=True)})
+                report.checkpoints[mode] = run_second_wave(
+                    runtime, model, drafter, wave2, max_new,
+                    tracker(f"wave 2 {mode} cold"), tracker(f"wave 2 {mode} restored"))
+    finally:
+        if place is not None:
+            place.close()
     report.outputs_identical = outputs[RECOVERY] == outputs[FULL_STATE]
     if references is not None:
         report.matches_greedy = outputs[RECOVERY] == references
