@@ -179,14 +179,15 @@ def format_checkpoints(report: DemoReport) -> list[str]:
         "repeated prompts",
     ]
     header = (f"{'mode':<11} {'exported':>8} {'hits':>6} {'exact':>5} {'restored tok':>12} "
-              f"{'computed cold -> restored':>25} {'cold s':>7} {'restored s':>10} "
+              f"{'prompt tok computed':>19} {'steps':>8} {'cold s':>7} {'restored s':>10} "
               f"{'saved':>6}")
     lines += [header, "-" * len(header)]
     for mode, c in report.checkpoints.items():
         computed = f"{c.computed_cold} -> {c.computed_restored}"
+        steps = f"{c.steps_cold} -> {c.steps_restored}"
         lines.append(
             f"{MODE_TITLES[mode]:<11} {c.exported:>8} {f'{c.hits}/{c.requests}':>6} "
-            f"{c.exact_hits:>5} {c.restored_tokens:>12} {computed:>25} "
+            f"{c.exact_hits:>5} {c.restored_tokens:>12} {computed:>19} {steps:>8} "
             f"{c.cold_seconds:>7.2f} {c.restored_seconds:>10.2f} {c.saved_fraction:>6.0%}"
         )
     same = all(c.outputs_identical for c in report.checkpoints.values())
@@ -195,6 +196,8 @@ def format_checkpoints(report: DemoReport) -> list[str]:
     written = sum(c.bytes_written for c in report.checkpoints.values())
     lines += [
         "",
+        "cold: wave 2 on a fresh runtime without a store; restored: on the runtime that "
+        "exported wave 1 (lookups and restores included)",
         f"restored outputs equal the cold outputs: {'yes' if same else 'NO'}; "
         f"{_mib(written)} of bundles written; capture + store + lookup time: {io}",
     ]

@@ -38,7 +38,8 @@ CHUNK_BYTES = 4 * 2**20
 class CheckpointReport:
     """One mode's second wave, cold and restored.
 
-    ``computed_*`` count prompt tokens the model computed; ``checkpoint_seconds`` is the
+    ``computed_*`` count prompt tokens the model computed and ``steps_*`` forward passes (both
+    exact, unlike the seconds on a busy machine); ``checkpoint_seconds`` is the
     restored runtime's time in captures, stores and lookups over both waves (inside its
     ``restored_seconds`` for wave 2).
     """
@@ -55,6 +56,8 @@ class CheckpointReport:
     prompt_tokens: int
     computed_cold: int
     computed_restored: int
+    steps_cold: int
+    steps_restored: int
     cold_seconds: float
     restored_seconds: float
     saved_seconds: float
@@ -140,7 +143,7 @@ def run_second_wave(
     cold_rt = SpecRuntime(model, cold_config, drafter)
     cold, cold_s = _timed_run(cold_rt, wave, max_new, cold_progress)
     s = exported.stats
-    before = (s.external_hits, s.restored_tokens, s.prefill_tokens)
+    before = (s.external_hits, s.restored_tokens, s.prefill_tokens, s.steps)
     restored, restored_s = _timed_run(exported, wave, max_new, restored_progress)
     finished = exported.finished[-len(wave):]
     prompt_tokens = sum(len(p) for p in wave)
@@ -157,6 +160,8 @@ def run_second_wave(
         prompt_tokens=prompt_tokens,
         computed_cold=cold_rt.stats.prefill_tokens,
         computed_restored=s.prefill_tokens - before[2],
+        steps_cold=cold_rt.stats.steps,
+        steps_restored=s.steps - before[3],
         cold_seconds=cold_s,
         restored_seconds=restored_s,
         saved_seconds=cold_s - restored_s,
