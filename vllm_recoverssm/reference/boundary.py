@@ -1,9 +1,10 @@
 """Request-boundary capture and restore: a request's complete state as one checkpoint.
 
 At a request boundary -- the end of the prompt (after the prompt's last prefill chunk, the
-first token sampled) and the end of the response (after the last step) -- the runtime calls
-its ``on_boundary(runtime, request, boundary)`` hook. Inside the hook,
-:func:`capture_request` returns a :class:`~vllm_recoverssm.checkpoint.RequestCheckpoint`:
+first token sampled) and the end of the response (after the last step) -- a runtime with a
+checkpoint store exports the request (:mod:`.checkpointing`), then calls its
+``on_boundary(runtime, request, boundary)`` hook. Both use :func:`capture_request`, which
+returns a :class:`~vllm_recoverssm.checkpoint.RequestCheckpoint`:
 
 * for every KDA layer ``layer.{i}``: ``state`` ``[H, V, K]`` (FP32) and ``conv``
   ``[3*H*D, Kc-1]`` (the conv history at zero speculative offset);
@@ -13,7 +14,7 @@ its ``on_boundary(runtime, request, boundary)`` hook. Inside the hook,
   continues from); ``logits``: that token's logits, so an exact prompt hit needs no compute.
 
 The order of operations differs by mode. Recovery: the step has already committed the
-accepted records and compacted the conv history before the hook runs (commit -> compact ->
+accepted records and compacted the conv history before the boundary (commit -> compact ->
 capture), so the checkpoint slot is read as it is. Full state: the capture reads the state
 at column ``num_accepted - 1`` and the conv history at offset ``num_accepted - 1``, and only
 then compacts the request (state to column 0, history to offset 0). Either way the captured
