@@ -51,47 +51,36 @@ def recovery_state_dtypes(vllm_config: Any, base: tuple[Any, ...]) -> tuple[Any,
     )
 
 
-class RecoverGlm5NextForCausalLM(Glm5NextForCausalLM):
+class _RecoveryModelMixin:
+    """What both GLM-5.3 entry classes add: record-aware page sizing and the model state
+    that commits before it captures. Listed first in the bases, so ``super()`` reaches
+    vLLM's class."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> Any:
+        """State shapes for page sizing, records included under recovery."""
+        return recovery_state_shapes(
+            vllm_config, super().get_mamba_state_shape_from_config(vllm_config)  # type: ignore[misc]
+        )
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> Any:
+        """State dtypes for page sizing, records included under recovery."""
+        return recovery_state_dtypes(
+            vllm_config, super().get_mamba_state_dtype_from_config(vllm_config)  # type: ignore[misc]
+        )
+
+    @staticmethod
+    def get_model_state_cls() -> type[RecoverMambaHybridModelState]:
+        """The model-runner-V2 state that commits before it captures."""
+        return RecoverMambaHybridModelState
+
+
+class RecoverGlm5NextForCausalLM(_RecoveryModelMixin, Glm5NextForCausalLM):
     """vLLM's GLM-5.3 text model with the recovery page layout and commit ordering."""
 
-    @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> Any:
-        """State shapes for page sizing, records included under recovery."""
-        return recovery_state_shapes(
-            vllm_config, super().get_mamba_state_shape_from_config(vllm_config)
-        )
 
-    @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> Any:
-        """State dtypes for page sizing, records included under recovery."""
-        return recovery_state_dtypes(
-            vllm_config, super().get_mamba_state_dtype_from_config(vllm_config)
-        )
-
-    @staticmethod
-    def get_model_state_cls() -> type[RecoverMambaHybridModelState]:
-        """The model-runner-V2 state that commits before it captures."""
-        return RecoverMambaHybridModelState
-
-
-class RecoverGlm5NextForConditionalGeneration(Glm5NextForConditionalGeneration):
+class RecoverGlm5NextForConditionalGeneration(
+    _RecoveryModelMixin, Glm5NextForConditionalGeneration
+):
     """vLLM's GLM-5.3 (vision-language wrapper) with the same additions."""
-
-    @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> Any:
-        """State shapes for page sizing, records included under recovery."""
-        return recovery_state_shapes(
-            vllm_config, super().get_mamba_state_shape_from_config(vllm_config)
-        )
-
-    @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> Any:
-        """State dtypes for page sizing, records included under recovery."""
-        return recovery_state_dtypes(
-            vllm_config, super().get_mamba_state_dtype_from_config(vllm_config)
-        )
-
-    @staticmethod
-    def get_model_state_cls() -> type[RecoverMambaHybridModelState]:
-        """The model-runner-V2 state that commits before it captures."""
-        return RecoverMambaHybridModelState
