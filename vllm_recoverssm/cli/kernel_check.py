@@ -102,9 +102,9 @@ def check_step(num_spec: int, batch: int, H: int, D: int, seed: int, backend: st
     s64 = state.to(f64)
     c64 = torch.zeros(batch, H, W, D, dtype=f64)
     k64 = torch.zeros(batch, H, W, 2 * D, dtype=f64)
-    acts = [t.to(torch.bfloat16).to(f64) for t in (q, k, v, g, beta)]
-    o64 = ops.verify_recovery(*acts, A_log.to(f64), dt_bias.to(f64), s64, slots, qsl, c64, k64,
-                              lower_bound=-5.0, backend="reference")
+    q64, k_64, v64, g64, b64 = (t.to(torch.bfloat16).to(f64) for t in (q, k, v, g, beta))
+    o64 = ops.verify_recovery(q64, k_64, v64, g64, b64, A_log.to(f64), dt_bias.to(f64), s64,
+                              slots, qsl, c64, k64, lower_bound=-5.0, backend="reference")
     ops.commit(s64, c64, k64, A_log.to(f64), dt_bias.to(f64), ops.CommitPlan(slots, accept),
                lower_bound=-5.0, backend="reference")
     out_err = float((out.cpu().to(f64) - o64).abs().max())
