@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .api import CommitPlan
+from .triton_kda import TL_DTYPES
 
 
 @triton.jit
@@ -120,11 +121,10 @@ def _conv_compact_kernel(
         tl.store(base + dst * stride + ch[:, None] * W + hh[None, :], final_hist, mask=hmask)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _check_dtype(conv_state: torch.Tensor) -> None:
-    if conv_state.dtype not in _TL_DTYPES:
+    if conv_state.dtype not in TL_DTYPES:
         raise ValueError(
             f"argument 'conv_state': the Triton kernels support bfloat16, float16 or float32, "
             f"got {conv_state.dtype}; use backend='reference'"
@@ -185,6 +185,6 @@ def conv_compact_triton(
         W=W, HIST=hist, BH=triton.next_power_of_2(hist), BC=bc,
         HAS_FINAL=plan.final_indices is not None,
         HAS_BOUNDARY=plan.boundary_indices is not None,
-        CS_DTYPE=_TL_DTYPES[conv_states[0].dtype],
+        CS_DTYPE=TL_DTYPES[conv_states[0].dtype],
         num_warps=4,
     )
