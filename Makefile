@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,bench]"
 	touch $@
 
 venv: $(VENV)/.installed
