@@ -86,3 +86,22 @@ def on_gpu(capability: tuple[int, int] = (9, 0), v2_runner: bool = True) -> Iter
             mock.patch.object(VllmConfig, "use_v2_model_runner",
                               property(lambda self: v2_runner)):
         yield
+
+
+def with_prefix_caching(vllm_config: Any, block_size: int = 16) -> Any:
+    """A copy of ``vllm_config`` with prefix caching on, as vLLM sets it up on a GPU.
+
+    vLLM's default for hybrid models is prefix caching in mamba cache mode ``align`` with
+    one state block per ``block_size`` tokens (``MambaModelConfig.verify_and_update_config``).
+    Its CPU platform turns prefix caching off for MLA models such as GLM-5.3, so the
+    configs built here get the GPU's cache settings applied to a copy.
+    """
+    import copy
+
+    cfg = copy.copy(vllm_config)
+    cache = copy.copy(vllm_config.cache_config)
+    cache.enable_prefix_caching = True
+    cache.mamba_cache_mode = "align"
+    cache.mamba_block_size = block_size
+    object.__setattr__(cfg, "cache_config", cache)
+    return cfg

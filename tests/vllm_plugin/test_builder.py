@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import MTP3, on_gpu
+from .conftest import MTP3, on_gpu, with_prefix_caching
 
 S = 3
 
@@ -26,7 +26,7 @@ def model_classes(vllm_module: Any) -> Any:
     return model
 
 
-def mamba_spec(model_classes: Any, cfg: Any, *, recovery: bool) -> Any:
+def mamba_spec(model_classes: Any, cfg: Any, *, recovery: bool, block_size: int = 16) -> Any:
     """The MambaSpec vLLM's platform builds from the model class (hybrid page sizing)."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -35,8 +35,9 @@ def mamba_spec(model_classes: Any, cfg: Any, *, recovery: bool) -> Any:
     with on_gpu() if recovery else _nothing():
         shapes = cls.get_mamba_state_shape_from_config(cfg)
         dtypes = cls.get_mamba_state_dtype_from_config(cfg)
-    return MambaSpec(shapes=tuple(shapes), dtypes=tuple(dtypes), block_size=16,
+    return MambaSpec(shapes=tuple(shapes), dtypes=tuple(dtypes), block_size=block_size,
                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                     mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
                      num_speculative_blocks=0 if recovery else S)
 
 
@@ -84,7 +85,7 @@ def common_metadata(query_lens: list[int], seq_lens: list[int], table: list[list
     )
 
 
-def builders(glm_cfg: Any, model_classes: Any) -> tuple[Any, Any]:
+def builders(glm_cfg: Any, model_classes: Any, block_size: int = 16) -> tuple[Any, Any]:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
@@ -93,11 +94,11 @@ def builders(glm_cfg: Any, model_classes: Any) -> tuple[Any, Any]:
     layers = ["model.layers.0.linear_attn"]
     with set_current_vllm_config(glm_cfg):
         generic = GDNAttentionMetadataBuilder(
-            mamba_spec(model_classes, glm_cfg, recovery=False), layers, glm_cfg,
-            torch.device("cpu"))
+            mamba_spec(model_classes, glm_cfg, recovery=False, block_size=block_size),
+            layers, glm_cfg, torch.device("cpu"))
         recovery = RecoverKDAMetadataBuilder(
-            mamba_spec(model_classes, glm_cfg, recovery=True), layers, glm_cfg,
-            torch.device("cpu"))
+            mamba_spec(model_classes, glm_cfg, recovery=True, block_size=block_size),
+            layers, glm_cfg, torch.device("cpu"))
     return generic, recovery
 
 
@@ -139,6 +140,35 @@ def test_mixed_batch_keeps_prefill_rows_on_vllms_path(glm_cfg: Any, model_classe
     assert r.num_prefills == g.num_prefills == 1
     assert r.non_spec_state_indices_tensor.tolist() == [9]
     assert r.non_spec_token_indx.tolist() == g.non_spec_token_indx.tolist()
+
+
+def test_align_mode_reads_the_block_of_the_last_scheduled_token(
+    glm_cfg: Any, model_classes: Any
+) -> None:
+    """Prefix caching: one aligned state column per row, plus what commit needs."""
+    B = 4
+    cfg = with_prefix_caching(glm_cfg, block_size=B)
+    generic, recovery = builders(cfg, model_classes, block_size=B)
+    assert hasattr(recovery, "mamba_aligned_state_indices")  # runner V2's opt-in
+    # wide enough for the generic builder's 1+S columns from the aligned one
+    table = [[5, 6, 7, 8, 20, 21, 22], [9, 10, 11, 12, 23, 24, 25],
+             [13, 14, 15, 16, 17, 26, 27]]
+    # seq_lens after the step's tokens: blocks (seq_len - 1) // B = 2, 1 and 3
+    m = common_metadata([S + 1, S + 1, S + 1], [9, 8, 13], table, [False] * 3)
+    accepted = torch.tensor([1, 1, 1], dtype=torch.int32)
+    drafts = torch.tensor([S, S, S], dtype=torch.int32)
+    r = recovery.build(0, m, accepted, drafts)
+    assert r.spec_state_indices_tensor.tolist() == [[7], [10], [16]]
+    assert r.align is not None and r.align.block_size == B
+    assert r.align.num_computed_tokens.tolist() == [5, 4, 9]
+    assert r.align.block_table.tolist() == table
+    g = generic.build(0, m, accepted, drafts)
+    assert g.spec_state_indices_tensor.tolist() == [[7, 8, 20, 21], [10, 11, 12, 23],
+                                                    [16, 17, 26, 27]]
+    # without prefix caching there is no align information
+    plain = builders(glm_cfg, model_classes)[1].build(
+        0, common_metadata([S + 1], [10], [[5]], [False]), accepted[:1], drafts[:1])
+    assert plain.align is None
 
 
 def test_null_block_becomes_the_null_slot(vllm_module: Any) -> None:

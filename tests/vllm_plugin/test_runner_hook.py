@@ -37,19 +37,25 @@ class _ScatterAccepted:
         return run
 
 
-def make_layer(gen: torch.Generator) -> SimpleNamespace:
+def make_layer(gen: torch.Generator, blocks: int = BLOCKS,
+               dim_first: bool = False) -> SimpleNamespace:
     def rnd(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> Any:
         return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-    # vLLM's default "SD" conv layout: [blocks, width, dim]; the layer views it (dim, width)
-    conv = rnd(BLOCKS, W, C, dtype=torch.bfloat16)
+    # vLLM's default "SD" conv layout is [blocks, width, dim], viewed (dim, width) by the
+    # layer; "DS" (VLLM_SSM_CONV_STATE_LAYOUT=DS) stores [blocks, dim, width].
+    if dim_first:
+        conv = rnd(blocks, C, W, dtype=torch.bfloat16)
+    else:
+        conv = rnd(blocks, W, C, dtype=torch.bfloat16)
     return SimpleNamespace(
-        kv_cache=(conv, rnd(BLOCKS, H, D, D, scale=0.1), torch.zeros(BLOCKS, H, S + 1, D),
-                  torch.zeros(BLOCKS, H, S + 1, 2 * D, dtype=torch.bfloat16)),
+        kv_cache=(conv, rnd(blocks, H, D, D, scale=0.1), torch.zeros(blocks, H, S + 1, D),
+                  torch.zeros(blocks, H, S + 1, 2 * D, dtype=torch.bfloat16)),
         A_log=torch.nn.Parameter(rnd(1, 1, H, 1, scale=0.5)),
         dt_bias=torch.nn.Parameter(rnd(H * D, scale=0.5)),
         local_num_heads=H, head_dim=D, kda_lower_bound=LOWER, conv_size=KC,
-        conv_state_dim_first_view=lambda c: c.transpose(-1, -2),
+        conv_state_dim_first_view=(lambda c: c) if dim_first else (
+            lambda c: c.transpose(-1, -2)),
     )
 
 
@@ -210,3 +216,145 @@ def test_full_state_mode_captures_without_commit(state_and_layers: Any) -> None:
     assert not captured[0].recovery and captured[0].bias.tolist() == [1, 3, 0]
     for name, m in layers.items():
         torch.testing.assert_close(m.kv_cache[1], before[name])
+
+
+class _PostprocessAlign:
+    """CPU stand-in for vLLM's ``_postprocess_recoverssm_align_kernel[grid](...)``: records
+    its arguments and applies its documented effect (running column of the last committed
+    token, neutral accepted count)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+                request_indices: torch.Tensor, num_computed: torch.Tensor,
+                state_idx: torch.Tensor, num_accepted: torch.Tensor, *,
+                MAMBA_BLOCK_SIZE: int, BLOCK_TABLE_WIDTH: int) -> None:
+            self.calls.append(dict(grid=grid, request_indices=request_indices.tolist(),
+                                   num_computed=num_computed.tolist(),
+                                   block_size=MAMBA_BLOCK_SIZE, width=BLOCK_TABLE_WIDTH))
+            for spec_row in range(grid[0]):
+                row = int(request_indices[spec_row])
+                req = int(idx_mapping[row])
+                if req < 0:
+                    continue
+                col = max(int(num_computed[row]) + int(num_sampled[row]) - 1, 0)
+                state_idx[req] = min(col // MAMBA_BLOCK_SIZE, BLOCK_TABLE_WIDTH - 1)
+                num_accepted[req] = 1
+        return run
+
+
+ALIGN_B = 4
+# vLLM block ids per request (0 = null block); B = 4 tokens per state block, S + 1 = 4.
+ALIGN_TABLE = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 0, 0]]
+ALIGN_NC = [5, 6, 4, 4]          # tokens committed before the step
+ALIGN_SAMPLED = [2, 4, 4, 3]     # accepted drafts + 1
+# verify read/wrote the block of the last scheduled token, (nc + S) // B
+ALIGN_VERIFY = [3, 6, 8, 0]
+# (final slot, boundary slot, boundary length) per row, from the align rules:
+#   row 0: 5 + 2 = 7 tokens stay in block 1 -> slot 2, no boundary (next boundary 8)
+#   row 1: 6 + 4 = 10 crosses 8 -> boundary slot 5 after 2 tokens, final slot 6
+#   row 2: 4 + 4 = 8 ends on the boundary -> slot 8 holds both, after 4 tokens
+ALIGN_EXPECT = [(2, None, 0), (6, 5, 2), (8, 8, 4), (None, None, 0)]
+
+
+@pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
+def test_align_mode_commits_into_prefix_cache_blocks(
+    build_config: Any, monkeypatch: pytest.MonkeyPatch, dim_first: bool
+) -> None:
+    """Prefix caching: commit writes the final and boundary blocks, then vLLM moves its
+    running column, then the capture runs."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.model_states import mamba_hybrid
+    from vllm.v1.worker.gpu.model_states import recoverssm as vllm_recoverssm
+
+    from vllm_recoverssm.vllm_plugin.attention.recover_kda import (
+        AlignCommitInfo,
+        RecoverKDAMetadata,
+        RecoveryCommitContext,
+    )
+    from vllm_recoverssm.vllm_plugin.worker import model_state as ms
+
+    from .conftest import with_prefix_caching
+
+    monkeypatch.setattr(mamba_hybrid, "_scatter_num_accepted_kernel", _ScatterAccepted())
+    postprocess = _PostprocessAlign()
+    monkeypatch.setattr(vllm_recoverssm, "_postprocess_recoverssm_align_kernel", postprocess)
+    cfg = with_prefix_caching(build_config(*MTP3), block_size=ALIGN_B)
+    monkeypatch.setattr(cfg.cache_config, "use_kda_recoverssm", False)
+    gen = torch.Generator().manual_seed(11)
+    layers = {name: make_layer(gen, blocks=10, dim_first=dim_first) for name in NAMES}
+    with set_current_vllm_config(cfg), on_gpu():
+        state = ms.RecoverMambaHybridModelState(cfg, torch.nn.Module(), None,
+                                                torch.device("cpu"))
+    assert state.use_recovery and state._align_mode
+    n = len(ALIGN_VERIFY)
+    meta = RecoverKDAMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=n, num_spec_decode_tokens=n * (S + 1),
+        num_actual_tokens=n * (S + 1),
+        spec_query_start_loc=torch.arange(0, n * (S + 1) + 1, S + 1, dtype=torch.int32),
+        spec_state_indices_tensor=torch.tensor(ALIGN_VERIFY, dtype=torch.int32)[:, None],
+        spec_sequence_masks=torch.ones(n, dtype=torch.bool),
+        num_accepted_tokens=torch.ones(n, dtype=torch.int32),
+        commit_context=RecoveryCommitContext(NAMES, layers),
+        spec_request_rows=torch.arange(n),
+        align=AlignCommitInfo(block_table=torch.tensor(ALIGN_TABLE, dtype=torch.int32),
+                              num_computed_tokens=torch.tensor(ALIGN_NC, dtype=torch.int32),
+                              block_size=ALIGN_B),
+    )
+    pre = {k: (m.kv_cache[1].clone(), m.kv_cache[0].clone()) for k, m in layers.items()}
+    inputs = spec_step(layers, ALIGN_VERIFY, gen)
+    after_verify = {k: m.conv_state_dim_first_view(m.kv_cache[0]).clone()
+                    for k, m in layers.items()}
+    captured: list[Any] = []
+
+    def capture(step: Any) -> None:
+        captured.append({k: (m.kv_cache[1].clone(),
+                             m.conv_state_dim_first_view(m.kv_cache[0]).clone())
+                         for k, m in layers.items()})
+        assert len(postprocess.calls) == 1  # vLLM moved its running column first
+
+    ms.register_boundary_capture(capture)
+    try:
+        state.recoverssm.record_step({k: meta for k in NAMES},
+                                     [[SimpleNamespace(layer_names=NAMES)]],
+                                     for_capture=False)
+        idx_mapping = torch.arange(n, dtype=torch.int32)
+        state.postprocess_state(idx_mapping, torch.tensor(ALIGN_SAMPLED, dtype=torch.int32),
+                                torch.tensor(ALIGN_NC, dtype=torch.int32)
+                                + torch.tensor(ALIGN_SAMPLED, dtype=torch.int32))
+    finally:
+        ms.unregister_boundary_capture(capture)
+
+    call = postprocess.calls[0]
+    assert call["grid"] == (n,) and call["request_indices"] == list(range(n))
+    assert call["num_computed"] == ALIGN_NC and call["block_size"] == ALIGN_B
+    # the running column is the block of the last committed token; the next step is neutral
+    assert state._mamba_state_idx_gpu[:3].tolist() == [1, 2, 1]
+    assert state.num_accepted_tokens_gpu[:3].tolist() == [1, 1, 1]
+    hist = KC - 1
+    seen = captured[0]
+    for name, m in layers.items():
+        states, conv = seen[name]
+        for row, (final, bslot, blen) in enumerate(ALIGN_EXPECT):
+            src = ALIGN_VERIFY[row]
+            if final is None:
+                continue
+            count = ALIGN_SAMPLED[row]
+            want = expected_state(m, inputs[name], src, row, count, pre[name][0][src])
+            torch.testing.assert_close(states[final], want, atol=1e-5, rtol=0)
+            window = after_verify[name][src]
+            torch.testing.assert_close(conv[final][:, :hist],
+                                       window[:, count - 1 : count - 1 + hist])
+            if bslot is not None:
+                want_b = expected_state(m, inputs[name], src, row, blen, pre[name][0][src])
+                torch.testing.assert_close(states[bslot], want_b, atol=1e-5, rtol=0)
+                torch.testing.assert_close(conv[bslot][:, :hist],
+                                           window[:, blen - 1 : blen - 1 + hist])
+        # row 1's boundary block held other bytes before: the boundary state was written
+        assert not torch.allclose(states[5], pre[name][0][5])
+        # the null row and blocks no plan names are untouched
+        for block in (0, 1, 4, 7):
+            torch.testing.assert_close(states[block], pre[name][0][block])

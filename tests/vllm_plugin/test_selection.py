@@ -17,7 +17,7 @@ from vllm_recoverssm.vllm_plugin.config import (
     recovery_enabled,
 )
 
-from .conftest import MTP3, on_gpu
+from .conftest import MTP3, on_gpu, with_prefix_caching
 from .tiny_glm import write_tiny_qwen3_next
 
 
@@ -74,6 +74,29 @@ def test_auto_keeps_full_states_here_and_says_why(build_config: Any) -> None:
     with on_gpu(capability=(7, 5)):
         assert {f.name for f in decide_for_vllm_config(cfg).failures} == {
             "gpu", "kernel_backend"}
+
+
+def test_prefix_caching_align_mode_keeps_recovery_automatic(build_config: Any) -> None:
+    """vLLM's default for hybrids (prefix caching, mamba cache mode align) is eligible."""
+    cfg = with_prefix_caching(build_config(*MTP3), block_size=16)
+    with on_gpu():
+        decision = decide_for_vllm_config(cfg)
+        d = deployment_from_vllm_config(cfg)
+    assert d.cache_mode == "align"
+    assert decision.use_recovery and not decision.failures
+
+
+def test_align_blocks_shorter_than_the_verify_window_are_refused(build_config: Any) -> None:
+    cfg = with_prefix_caching(build_config(*MTP3), block_size=3)  # S+1 = 4
+    with on_gpu():
+        decision = decide_for_vllm_config(cfg)
+    assert not decision.use_recovery
+    assert [f.name for f in decision.failures] == ["mamba_block_size"]
+    forced = with_prefix_caching(build_config(*MTP3), block_size=3)
+    object.__setattr__(forced, "additional_config", {CONFIG_KEY: "on"})
+    with on_gpu(), pytest.raises(IneligibleError) as info:
+        decide_for_vllm_config(forced)
+    assert "state block every 3 tokens, fewer than the verify window of 4" in str(info.value)
 
 
 def test_no_use_replayssm_keeps_full_states(build_config: Any) -> None:

@@ -123,14 +123,21 @@ def deployment_from_vllm_config(
 
 
 def plugin_limits(vllm_config: VllmConfig) -> list[Failure]:
-    """Conditions the vLLM integration adds to the general ones."""
+    """Conditions the vLLM integration adds to the general ones.
+
+    Prefix caching (mamba cache mode ``align``) needs state blocks of at least ``S+1``
+    tokens, so that one verify window crosses at most one block boundary.
+    """
     out: list[Failure] = []
-    if vllm_config.cache_config.mamba_cache_mode not in ("none", None):
+    cache = vllm_config.cache_config
+    block = cache.mamba_block_size
+    window = vllm_config.num_speculative_tokens + 1
+    if cache.mamba_cache_mode == "align" and block is not None and block < window:
         out.append(Failure(
-            name="cache_mode",
-            message=f"mamba cache mode {vllm_config.cache_config.mamba_cache_mode!r} (prefix "
-            "caching) is not wired into the vLLM plugin yet; recovery in vLLM needs "
-            "--no-enable-prefix-caching (mamba cache mode 'none')",
+            name="mamba_block_size",
+            message=f"prefix caching keeps a state block every {block} tokens, fewer than "
+            f"the verify window of {window} (S+1); raise --mamba-block-size (or "
+            "--block-size) to at least S+1, or pass --no-enable-prefix-caching",
         ))
     return out
 

@@ -8,6 +8,16 @@ column and passes neutral accepted counts (ones). Its metadata also implements v
 ``RecoverSSMMetadata`` interface, so the GPU model runner (V2) calls
 :meth:`RecoverKDAMetadata.commit_recoverssm_state` after sampling — one commit and one conv
 compaction for all KDA layers of the KV-cache group.
+
+Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models) keeps a
+state block every ``B`` tokens. There the builder takes vLLM's aligned state indices (the
+block of the step's last scheduled token, which vLLM's runner pre-copies the checkpoint
+into), and commit follows :func:`~vllm_recoverssm.state.build_align_commit_plan`: the
+committed state goes to the block of the last accepted token and, when the accepted tokens
+cross a block boundary, the state at the boundary goes to the block that ends there, so it
+becomes a cacheable prefix block. The commit reads the checkpoint, the records and the
+conv window from the slot verify used. vLLM's runner then moves its running-state column
+(``RecoverSSMPostprocessMetadata``).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from vllm.v1.attention.backends.recoverssm_metadata import (
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from ... import ops
+from ...state.commit_plan import build_align_commit_plan
 
 RECOVERY_STATE_COLUMNS = 1
 """State columns a speculative row gets under recovery (generic GDN: S+1)."""
@@ -66,6 +77,46 @@ def dim_first_conv(conv_state: torch.Tensor, slots: torch.Tensor) -> Iterator[
     conv_state.index_copy_(0, src, dense)
 
 
+@contextmanager
+def dim_first_conv_plan(conv_state: torch.Tensor, plan: ops.CommitPlan) -> Iterator[
+    tuple[torch.Tensor, ops.CommitPlan]
+]:
+    """:func:`dim_first_conv` for a commit plan: a contiguous view and the plan on it.
+
+    With a strided ("SD") conv layout the source, final and boundary rows are gathered into
+    one dense tensor and the plan is rewritten to address it; on exit only the final and
+    boundary rows are written back (the source row is read, never written, so writing it
+    back could race with a final row of the same slot).
+    """
+    if conv_state.stride(-1) == 1:
+        yield conv_state, plan
+        return
+    n = plan.num_rows
+    dev = plan.state_indices.device
+    groups = [plan.state_indices]
+    for field in (plan.final_indices, plan.boundary_indices):
+        if field is not None:
+            groups.append(field)
+    slots = torch.cat(groups)
+    live = slots >= 0
+    src = torch.where(live, slots, 0).long()
+    dense = conv_state.index_select(0, src).contiguous()
+    rows = torch.where(live, torch.arange(slots.numel(), device=dev, dtype=torch.int32), -1)
+    parts = list(rows.to(torch.int32).split(n))
+    final_local = parts[1].contiguous() if plan.final_indices is not None else None
+    boundary_local = parts[-1].contiguous() if plan.boundary_indices is not None else None
+    yield dense, ops.CommitPlan(
+        state_indices=parts[0].contiguous(), commit_lens=plan.commit_lens,
+        final_indices=final_local, boundary_indices=boundary_local,
+        boundary_lens=plan.boundary_lens,
+    )
+    # Null rows gathered vLLM's null block 0 and are never written by the ops, so writing
+    # them back rewrites block 0 with its own bytes; this keeps the path free of host syncs.
+    # Without final indices the source rows are updated in place and written back.
+    start = 0 if plan.final_indices is None else n
+    conv_state.index_copy_(0, src[start:], dense[start:])
+
+
 class RecoveryCommitContext:
     """The KDA layers of one KV-cache group and what commit needs from them."""
 
@@ -94,25 +145,37 @@ class RecoveryCommitContext:
             self._params = (a_log, dt_bias)
         return self._params
 
-    def commit(self, slots: torch.Tensor, commit_lens: torch.Tensor) -> None:
-        """Replay each row's accepted records into its checkpoint, then compact conv."""
+    def commit(self, plan: ops.CommitPlan, record_indices: torch.Tensor) -> None:
+        """Replay each row's accepted records (read from ``record_indices``, the slots
+        verify wrote) as ``plan`` says, then compact the conv history the same way."""
         layers = self.layers()
-        if not layers or slots.numel() == 0:
+        if not layers or plan.num_rows == 0:
             return
         a_log, dt_bias = self._gate_params(layers)
-        check = (not slots.is_cuda) if self.validate is None else self.validate
-        plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
+        on_gpu = plan.state_indices.is_cuda
+        check = (not on_gpu) if self.validate is None else self.validate
         caches = [m.kv_cache for m in layers]
         ops.commit(
             [c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches],
             a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
-            record_indices=slots, backend=self.ops_backend, validate=check,
+            record_indices=record_indices, backend=self.ops_backend, validate=check,
         )
         for m, c in zip(layers, caches, strict=True):
-            with dim_first_conv(m.conv_state_dim_first_view(c[0]), slots) as (conv, idx):
-                local = ops.CommitPlan(state_indices=idx, commit_lens=commit_lens)
-                ops.conv_compact(conv, local, kernel_width=m.conv_size,
+            with dim_first_conv_plan(m.conv_state_dim_first_view(c[0]), plan) as (conv, lp):
+                ops.conv_compact(conv, lp, kernel_width=m.conv_size,
                                  backend=self.ops_backend, validate=check)
+
+
+@dataclass(frozen=True)
+class AlignCommitInfo:
+    """What an align-mode (prefix caching) commit needs beyond the state slots."""
+
+    block_table: torch.Tensor
+    """The KV-cache group's block table, one row per batch row (vLLM block ids)."""
+    num_computed_tokens: torch.Tensor
+    """Tokens whose state was committed before this step, per batch row."""
+    block_size: int
+    """Tokens per state block (vLLM's ``mamba_block_size``)."""
 
 
 @dataclass
@@ -122,6 +185,8 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
     commit_context: RecoveryCommitContext | None = None
     spec_request_rows: torch.Tensor | None = None
     """Batch row of each speculative row (to read its sampled-token count)."""
+    align: AlignCommitInfo | None = None
+    """Set in mamba cache mode ``align`` (prefix caching)."""
 
     def spec_slots(self) -> torch.Tensor:
         """The checkpoint slot of each speculative row (null rows are -1)."""
@@ -131,23 +196,58 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
     def commit_recoverssm_state(
         self, num_accepted_tokens: torch.Tensor
     ) -> RecoverSSMPostprocessMetadata | None:
-        """Commit the accepted tokens (``num_accepted_tokens`` = sampled count per batch row)."""
+        """Commit the accepted tokens (``num_accepted_tokens`` = sampled count per batch row).
+
+        Returns vLLM's align-mode postprocess description in mamba cache mode ``align``
+        (vLLM then moves each row's running-state column), else None.
+        """
         if self.commit_context is None or self.num_spec_decodes == 0:
             return None
         assert self.spec_request_rows is not None and self.spec_query_start_loc is not None
         n = self.num_spec_decodes
+        rows = self.spec_request_rows[:n]
         qsl = self.spec_query_start_loc[: n + 1]
         query_lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
-        sampled = num_accepted_tokens.to(torch.int32)[self.spec_request_rows[:n]]
-        commit_lens = torch.minimum(sampled.clamp(min=0), query_lens).contiguous()
-        self.commit_context.commit(self.spec_slots().contiguous(), commit_lens)
-        return None  # mamba cache mode "none": no align-mode postprocess
+        sampled = num_accepted_tokens.to(torch.int32)[rows]
+        slots = self.spec_slots().contiguous()
+        if self.align is None:
+            commit_lens = torch.minimum(sampled.clamp(min=0), query_lens).contiguous()
+            plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
+            self.commit_context.commit(plan, slots)
+            return None
+        self.commit_context.commit(self.align_plan(rows, query_lens, sampled, slots), slots)
+        return RecoverSSMPostprocessMetadata(
+            num_spec_decodes=n,
+            request_indices=rows.to(torch.int32),
+            block_table=self.align.block_table,
+            num_computed_tokens=self.align.num_computed_tokens,
+            block_size=self.align.block_size,
+        )
+
+    def align_plan(self, rows: torch.Tensor, query_lens: torch.Tensor,
+                   sampled: torch.Tensor, slots: torch.Tensor) -> ops.CommitPlan:
+        """The align-mode commit plan of the speculative rows, reading from ``slots``."""
+        assert self.align is not None
+        check = not slots.is_cuda
+        plan = build_align_commit_plan(
+            to_ops_slots(self.align.block_table[rows]),
+            self.align.num_computed_tokens[rows].to(torch.int32), query_lens, sampled,
+            self.align.block_size, validate=check,
+        )
+        # vLLM pre-copies the checkpoint into the block verify reads (the block of the
+        # last scheduled token); verify's records and conv window are there too.
+        live = plan.state_indices >= 0
+        plan.state_indices = torch.where(live, slots, -1).to(torch.int32).contiguous()
+        return plan
 
 
 class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN builder, narrowed for recovery (see the module docstring)."""
 
     state_columns = RECOVERY_STATE_COLUMNS
+    mamba_aligned_state_indices: torch.Tensor | None = None
+    """Filled by vLLM's runner V2 in align mode (its ``hasattr`` opt-in); when unset the
+    parent gathers the same indices from the block table."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
@@ -170,10 +270,12 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         """Build vLLM's GDN metadata, then narrow it to one state column per row."""
         meta = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                              num_decode_draft_tokens_cpu, fast_build)
-        return self.narrow(meta)
+        return self.narrow(meta, common_attn_metadata)
 
-    def narrow(self, meta: GDNAttentionMetadata) -> RecoverKDAMetadata:
-        """The recovery view of ``meta``: one state column, ones as accepted counts."""
+    def narrow(self, meta: GDNAttentionMetadata,
+               common: Any | None = None) -> RecoverKDAMetadata:
+        """The recovery view of ``meta``: one state column, ones as accepted counts, and
+        (mamba cache mode ``align``) the block table and counts of ``common`` for commit."""
         values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
         rows = None
         spec = meta.spec_state_indices_tensor
@@ -187,8 +289,17 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
                 rows = torch.arange(spec.shape[0], dtype=torch.long, device=device)
             else:
                 rows = masks.nonzero().flatten().to(device)
+        align = None
+        if spec is not None and getattr(self.kv_cache_spec, "mamba_cache_mode", "none") == "align":
+            if common is None:
+                raise ValueError("align mode: narrow() needs the common attention metadata")
+            align = AlignCommitInfo(
+                block_table=common.block_table_tensor[: common.num_reqs],
+                num_computed_tokens=common.compute_num_computed_tokens(),
+                block_size=int(self.kv_cache_spec.block_size),
+            )
         return RecoverKDAMetadata(**values, commit_context=self.commit_context,
-                                  spec_request_rows=rows)
+                                  spec_request_rows=rows, align=align)
 
 
 class RecoverKDAAttentionBackend(GDNAttentionBackend):
