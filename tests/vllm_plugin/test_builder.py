@@ -68,6 +68,27 @@ def test_page_size_vllm_sees_equals_the_planners(
     assert native.max_memory_usage_bytes(glm_cfg) == (S + 1) * native.page_size_bytes
 
 
+def test_align_mode_reserve_vllm_sees_equals_the_planners(
+    glm_cfg: Any, model_classes: Any, tiny_glm: Path
+) -> None:
+    """With prefix caching vLLM keeps 2 (+S) pages per request; the planner agrees."""
+    from vllm_recoverssm.config.models import model_spec_from_hf_config
+    from vllm_recoverssm.state.planner import PlanConfig, plan
+
+    cfg = with_prefix_caching(glm_cfg, block_size=16)
+    spec = model_spec_from_hf_config(json.loads((tiny_glm / "config.json").read_text()))
+    p = plan(PlanConfig(model=spec, tp=1, num_spec=S, cache_mode="align", block_size=16))
+    recovery = mamba_spec(model_classes, cfg, recovery=True)
+    native = mamba_spec(model_classes, cfg, recovery=False)
+    assert recovery.mamba_cache_mode == native.mamba_cache_mode == "align"
+    for name, vllm_spec in (("recovery_in_page", recovery), ("full", native)):
+        layout = p.layout(name)
+        assert vllm_spec.page_size_bytes == layout.page_bytes
+        assert vllm_spec.max_memory_usage_bytes(cfg) == layout.reserve_bytes_per_layer
+    assert recovery.max_memory_usage_bytes(cfg) == 2 * recovery.page_size_bytes
+    assert native.max_memory_usage_bytes(cfg) == (2 + S) * native.page_size_bytes
+
+
 def common_metadata(query_lens: list[int], seq_lens: list[int], table: list[list[int]],
                     prefilling: list[bool]) -> Any:
     from vllm.v1.attention.backend import CommonAttentionMetadata
