@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from types import ModuleType
 
 import pytest
 
+from vllm_recoverssm.ops.b12x_kda import B12X_REQUIRED_CAPS_FIELDS
 from vllm_recoverssm.vllm_plugin.kernels import (
     B12X_REQUIRED_API,
     b12x_has_recovery_api,
@@ -14,15 +16,33 @@ from vllm_recoverssm.vllm_plugin.kernels import (
 )
 
 
-def fake_b12x(*names: str) -> ModuleType:
+def run_kda(binding: object, *, lower_bound: float = -5.0,
+            apply_output_norm: bool = True) -> None:
+    """Stands in for b12x's ``run_kda`` (1.5: takes ``apply_output_norm``)."""
+
+
+def old_run_kda(binding: object, *, lower_bound: float = -5.0) -> None:
+    """A ``run_kda`` from before recovery mode (always applies the output norm)."""
+
+
+def fake_b12x(*names: str, caps_fields: tuple[str, ...] = B12X_REQUIRED_CAPS_FIELDS,
+              run: object = run_kda) -> ModuleType:
+    attrs: dict[str, object] = {name: object() for name in names}
+    if "Caps" in attrs:
+        attrs["Caps"] = dataclasses.make_dataclass("Caps", [("device", str), *caps_fields])
+    if "run_kda" in attrs:
+        attrs["run_kda"] = run
     module = ModuleType("b12x.sequence.gdn_decode")
-    for name in names:
-        setattr(module, name, object())
+    for name, value in attrs.items():
+        setattr(module, name, value)
     return module
 
 
 FULL = fake_b12x(*B12X_REQUIRED_API)
 NO_COMMIT = fake_b12x(*(n for n in B12X_REQUIRED_API if n != "bind_kda_commit"))
+NO_RECOVERY_CAPS = fake_b12x(*B12X_REQUIRED_API, caps_fields=tuple(
+    f for f in B12X_REQUIRED_CAPS_FIELDS if f != "recover_speculative_state"))
+NORMED_ONLY = fake_b12x(*B12X_REQUIRED_API, run=old_run_kda)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +58,8 @@ NO_COMMIT = fake_b12x(*(n for n in B12X_REQUIRED_API if n != "bind_kda_commit"))
         ((12, 1), FULL, "b12x"),
         ((12, 0), None, "triton"),  # not installed
         ((12, 0), NO_COMMIT, "triton"),  # installed without the commit API
+        ((12, 0), NO_RECOVERY_CAPS, "triton"),  # verify cannot keep records
+        ((12, 0), NORMED_ONLY, "triton"),  # verify cannot return the pre-norm output
     ],
 )
 def test_choose_kernel_backend(capability: tuple[int, int] | None, b12x: ModuleType | None,
@@ -48,7 +70,17 @@ def test_choose_kernel_backend(capability: tuple[int, int] | None, b12x: ModuleT
 def test_b12x_api_check() -> None:
     assert b12x_has_recovery_api(FULL)
     assert not b12x_has_recovery_api(NO_COMMIT)
+    assert not b12x_has_recovery_api(NO_RECOVERY_CAPS)
+    assert not b12x_has_recovery_api(NORMED_ONLY)
+    assert not b12x_has_recovery_api(fake_b12x(*B12X_REQUIRED_API[1:]))  # no Caps
     assert not b12x_has_recovery_api(None)
+
+
+def test_installed_b12x_passes_the_api_check() -> None:
+    module = pytest.importorskip("b12x.sequence.gdn_decode", reason="needs b12x")
+    assert b12x_has_recovery_api(module)
+    assert choose_kernel_backend((12, 0), module) == "b12x"
+    assert choose_kernel_backend((12, 0)) == "b12x"  # "detect" imports the same module
 
 
 def test_detect_without_b12x_installed_falls_back_to_triton() -> None:

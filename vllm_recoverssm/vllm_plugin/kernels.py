@@ -12,19 +12,22 @@ import importlib
 from types import ModuleType
 from typing import Literal
 
+from ..ops.b12x_kda import B12X_MODULE, B12X_REQUIRED_API, b12x_recovery_api
+
 KernelBackend = Literal["triton", "b12x"]
 
-B12X_MODULE = "b12x.sequence.gdn_decode"
-B12X_REQUIRED_API = ("bind_kda", "bind_kda_commit", "run_kda_commit", "Caps")
-"""What the recovery path needs from b12x: verify (``bind_kda`` with capabilities that
-keep the speculative records) and the forward-order commit."""
+__all__ = ["B12X_MODULE", "B12X_REQUIRED_API", "KernelBackend", "b12x_has_recovery_api",
+           "choose_kernel_backend", "cuda_capability", "load_b12x"]
 
 MIN_CAPABILITY = (8, 0)
 
 
 def b12x_has_recovery_api(module: ModuleType | None) -> bool:
-    """Whether ``module`` (b12x's ``gdn_decode``, or None when absent) has every needed name."""
-    return module is not None and all(hasattr(module, name) for name in B12X_REQUIRED_API)
+    """Whether ``module`` (b12x's ``gdn_decode``, or None when absent) has what
+    :class:`~vllm_recoverssm.ops.b12x_kda.B12xKdaRecovery` calls: every name of
+    ``B12X_REQUIRED_API``, ``Caps`` with the recovery fields (``recover_speculative_state``)
+    and ``run_kda`` taking ``apply_output_norm``."""
+    return b12x_recovery_api(module)
 
 
 def load_b12x() -> ModuleType | None:
