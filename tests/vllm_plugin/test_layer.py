@@ -13,7 +13,7 @@ import torch
 
 from vllm_recoverssm import ops
 
-from .conftest import MTP3, on_gpu
+from .conftest import MTP3, on_gpu, recording_b12x
 from .tiny_glm import CONV_WIDTH, HEAD_DIM, LINEAR_HEADS
 
 S = 3
@@ -102,11 +102,14 @@ def test_the_plugin_layer_replaces_vllms_and_reports_the_recovery_page(
     assert off.get_attn_backend() is GDNAttentionBackend
 
 
-def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: None) -> None:
+@pytest.mark.parametrize("backend", ["ours", "b12x"])
+def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: None,
+                                              backend: str) -> None:
     from vllm.forward_context import set_forward_context
 
     from vllm_recoverssm.vllm_plugin.attention.recover_kda import (
         RecoverKDAMetadata,
+        RecoveryCommitContext,
         dim_first_conv,
     )
 
@@ -133,6 +136,11 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
         non_spec_token_indx=torch.empty(0, dtype=torch.int32),
         num_accepted_tokens=torch.ones(n, dtype=torch.int32),
     )
+    b12x = None
+    if backend == "b12x":  # SM12x with b12x: the group's context carries the adapter
+        b12x = recording_b12x(h, S)
+        meta.commit_context = RecoveryCommitContext([layer.prefix], {layer.prefix: layer},
+                                                    b12x=b12x)
     out = torch.zeros(1, T, h, d, dtype=torch.bfloat16)
     with set_forward_context({layer.prefix: meta}, cfg):
         layer._forward(qkv, g1, beta, out)
@@ -153,6 +161,14 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
         lower_bound=-5.0, record_indices=slots)
 
     torch.testing.assert_close(out[0], want.to(out.dtype))
+    if b12x is not None:
+        # one adapter call per step, with what b12x binds: float32 gate parameters and
+        # the records addressed at the checkpoint slots
+        [(name, args, kwargs)] = b12x.calls
+        assert name == "verify"
+        assert args[5].dtype == args[6].dtype == torch.float32
+        assert torch.equal(args[8], slots) and torch.equal(kwargs["record_indices"], slots)
+        assert args[10] is layer.kv_cache[2] and args[11] is layer.kv_cache[3]
     assert out[0, S + 1: 2 * (S + 1)].abs().sum() == 0  # the null row
     assert out[0, : S + 1].abs().sum() > 0
     torch.testing.assert_close(layer.kv_cache[1], state0)  # verify never writes the checkpoint

@@ -17,7 +17,7 @@ import torch
 from vllm_recoverssm import ops
 from vllm_recoverssm.ops import reference as ref
 
-from .conftest import MTP3, on_gpu
+from .conftest import MTP3, on_gpu, recording_b12x
 
 S, H, D, KC, BLOCKS = 3, 2, 16, 4, 6
 C, W = 3 * H * D, KC - 1 + S
@@ -195,6 +195,32 @@ def test_commit_runs_before_capture_and_capture_sees_the_committed_state(
         torch.testing.assert_close(conv_seen[0], pre[name][1][0])
     # the accepted counts vLLM keeps for the next step
     assert state.num_accepted_tokens_gpu[:3].tolist() == [2, 4, 4]
+
+
+def test_b12x_commits_when_the_group_runs_on_b12x(
+    state_and_layers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SM12x with b12x: the group's one commit goes to the adapter, never to ours."""
+    make, layers, gen = state_and_layers
+    state, meta = make(recovery=True)
+    b12x = recording_b12x(H, S)
+    meta.commit_context.b12x = b12x
+    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
+    inputs = spec_step(layers, [3, 0, 5], gen)
+    monkeypatch.setattr(ops, "commit", lambda *a, **k: pytest.fail("ops.commit ran"))
+    state.recoverssm.record_step({n: meta for n in NAMES},
+                                 [[SimpleNamespace(layer_names=NAMES)]], for_capture=False)
+    num_sampled = torch.tensor([3, 4, 1], dtype=torch.int32)
+    state.postprocess_state(torch.tensor([0, 1, 2], dtype=torch.int32), num_sampled)
+    [(name, args, kwargs)] = b12x.calls
+    assert name == "commit" and len(args[0]) == len(NAMES)  # all layers in one call
+    assert args[3].dtype == args[4].dtype == torch.float32  # [L, H], [L, H, K]
+    assert kwargs["record_indices"].tolist() == [3, -1, 5]
+    for name, m in layers.items():
+        for row, slot in ((0, 3), (2, 5)):
+            want = expected_state(m, inputs[name], slot, row, int(num_sampled[row]),
+                                  pre[name][slot])
+            torch.testing.assert_close(m.kv_cache[1][slot], want, atol=1e-5, rtol=0)
 
 
 def test_full_state_mode_captures_without_commit(state_and_layers: Any) -> None:

@@ -54,11 +54,20 @@ def detect_gpu() -> tuple[tuple[int, int] | None, str | None]:
 
 
 def detect_backend(cap: tuple[int, int] | None) -> str | None:
-    """``b12x`` on SM12x when installed, else ``triton`` when importable, else None."""
+    """``b12x`` on SM12x when an installed b12x has the recovery API the plugin calls, else
+    ``triton`` when importable, else None."""
+    import importlib
     import importlib.util
 
     if cap is not None and cap[0] == 12 and importlib.util.find_spec("b12x") is not None:
-        return "b12x"
+        from ..ops.b12x_kda import B12X_MODULE, b12x_recovery_api
+
+        try:
+            module = importlib.import_module(B12X_MODULE)
+        except Exception:  # a broken optional package means "not available"
+            module = None
+        if b12x_recovery_api(module):
+            return "b12x"
     return "triton" if importlib.util.find_spec("triton") is not None else None
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
-from ..ops.b12x_kda import B12X_MODULE, B12X_REQUIRED_API, b12x_recovery_api
+import torch
+
+from ..ops.b12x_kda import B12X_MODULE, B12X_REQUIRED_API, B12xKdaRecovery, b12x_recovery_api
 
 KernelBackend = Literal["triton", "b12x"]
 
 __all__ = ["B12X_MODULE", "B12X_REQUIRED_API", "KernelBackend", "b12x_has_recovery_api",
-           "choose_kernel_backend", "cuda_capability", "load_b12x"]
+           "b12x_recovery_for", "choose_kernel_backend", "cuda_capability", "load_b12x"]
 
 MIN_CAPABILITY = (8, 0)
 
@@ -64,3 +66,21 @@ def cuda_capability() -> tuple[int, int] | None:
         return None
     cap = current_platform.get_device_capability()
     return None if cap is None else (int(cap.major), int(cap.minor))
+
+
+def b12x_recovery_for(vllm_config: Any, device: torch.device) -> B12xKdaRecovery | None:
+    """The b12x verify/commit of one KV-cache group, or None when Triton runs.
+
+    b12x runs when ``device`` is a CUDA GPU for which :func:`choose_kernel_backend` picks
+    it (SM12x with a usable b12x). Verify and commit then both run on b12x: its records
+    and ours have one format, but a deployment never mixes the two.
+    """
+    if device.type != "cuda" or choose_kernel_backend(cuda_capability()) != "b12x":
+        return None
+    text = vllm_config.model_config.hf_text_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return B12xKdaRecovery(
+        num_heads=int(text.linear_num_heads) // tp,
+        num_spec=int(vllm_config.num_speculative_tokens),
+        max_seqs=int(vllm_config.scheduler_config.max_num_seqs),
+    )

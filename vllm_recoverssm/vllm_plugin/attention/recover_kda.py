@@ -41,7 +41,9 @@ from vllm.v1.attention.backends.recoverssm_metadata import (
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from ... import ops
+from ...ops.b12x_kda import B12xKdaRecovery
 from ...state.commit_plan import build_align_commit_plan
+from ..kernels import b12x_recovery_for
 
 RECOVERY_STATE_COLUMNS = 1
 """State columns a speculative row gets under recovery (generic GDN: S+1)."""
@@ -121,10 +123,12 @@ class RecoveryCommitContext:
     """The KDA layers of one KV-cache group and what commit needs from them."""
 
     def __init__(self, layer_names: list[str], static_forward_context: dict[str, Any],
-                 ops_backend: str = "auto") -> None:
+                 ops_backend: str = "auto", b12x: B12xKdaRecovery | None = None) -> None:
         self.layer_names = list(layer_names)
         self._context = static_forward_context
         self.ops_backend = ops_backend
+        self.b12x = b12x
+        """b12x's verify and commit for this group (SM12x), or None for our kernels."""
         self.validate: bool | None = None
         """Argument checks that read device values; default: only off CUDA (they sync)."""
         self._params: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -138,11 +142,9 @@ class RecoveryCommitContext:
         # single multi-layer commit launch.
         if self._params is None:
             h, d = layers[0].local_num_heads, layers[0].head_dim
-            a_log = torch.stack([m.A_log.detach().reshape(h) for m in layers]).contiguous()
-            dt_bias = torch.stack(
-                [m.dt_bias.detach().reshape(h, d) for m in layers]
-            ).contiguous()
-            self._params = (a_log, dt_bias)
+            a_log = torch.stack([m.A_log.detach().reshape(h) for m in layers])
+            dt_bias = torch.stack([m.dt_bias.detach().reshape(h, d) for m in layers])
+            self._params = (a_log.float().contiguous(), dt_bias.float().contiguous())
         return self._params
 
     def commit(self, plan: ops.CommitPlan, record_indices: torch.Tensor) -> None:
@@ -155,11 +157,15 @@ class RecoveryCommitContext:
         on_gpu = plan.state_indices.is_cuda
         check = (not on_gpu) if self.validate is None else self.validate
         caches = [m.kv_cache for m in layers]
-        ops.commit(
-            [c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches],
-            a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
-            record_indices=record_indices, backend=self.ops_backend, validate=check,
-        )
+        pools = ([c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches])
+        if self.b12x is not None:
+            self.b12x.commit(*pools, a_log, dt_bias, plan,
+                             lower_bound=layers[0].kda_lower_bound,
+                             record_indices=record_indices, validate=check)
+        else:
+            ops.commit(*pools, a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
+                       record_indices=record_indices, backend=self.ops_backend,
+                       validate=check)
         for m, c in zip(layers, caches, strict=True):
             with dim_first_conv_plan(m.conv_state_dim_first_view(c[0]), plan) as (conv, lp):
                 ops.conv_compact(conv, lp, kernel_width=m.conv_size,
@@ -253,7 +259,8 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.commit_context = RecoveryCommitContext(
-            layer_names, vllm_config.compilation_config.static_forward_context
+            layer_names, vllm_config.compilation_config.static_forward_context,
+            b12x=b12x_recovery_for(vllm_config, device),
         )
         # Neutral accepted counts: the checkpoint never carries a speculative offset.
         self._ones = torch.ones(self.decode_cudagraph_max_bs, dtype=torch.int32,

@@ -79,10 +79,10 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
     def __init__(self, config: Any, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(config, vllm_config, prefix)
         self.use_recovery = recovery_enabled(vllm_config)
-        # Triton on CUDA tensors, the PyTorch reference elsewhere. On SM12x the
-        # eligibility check reports b12x when it is installed, but calling b12x's CuTe
-        # kernels is not wired yet: our Triton kernels run there too.
+        # Triton on CUDA tensors, the PyTorch reference elsewhere; on SM12x with b12x the
+        # group's commit context carries b12x's verify/commit and both run there.
         self.ops_backend = "auto"
+        self._b12x_params: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- state layout ----------------------------------------------------------------
     def get_state_shape(self) -> Any:
@@ -128,6 +128,17 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
                  for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0
             ).contiguous()
         return self._merged_conv_weight
+
+    def float_gate_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A_log`` ``[h]`` and ``dt_bias`` ``[h, D]`` as float32 (built once: b12x binds
+        their addresses)."""
+        if self._b12x_params is None:
+            h, d = self.local_num_heads, self.head_dim
+            self._b12x_params = (
+                self.A_log.detach().reshape(h).float().contiguous(),
+                self.dt_bias.detach().reshape(h, d).float().contiguous(),
+            )
+        return self._b12x_params
 
     # -- forward -----------------------------------------------------------------------
     @eager_break_during_capture
@@ -187,6 +198,15 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
                                 backend=self.ops_backend, validate=check)
         q, k, v = (t.reshape(-1, h, d).contiguous()
                    for t in x.split(self.local_projection_size, dim=-1))
+        b12x = meta.commit_context.b12x if meta.commit_context is not None else None
+        if b12x is not None:
+            a_log, dt_bias = self.float_gate_params()
+            return b12x.verify(
+                q, k, v, raw_g[0].reshape(-1, h, d).contiguous(),
+                raw_beta[0].reshape(-1, h).contiguous(), a_log, dt_bias, state, slots, qsl,
+                corrections, kg, lower_bound=self.kda_lower_bound, record_indices=slots,
+                validate=check,
+            )
         return ops.verify_recovery(
             q, k, v, raw_g[0].reshape(-1, h, d).contiguous(),
             raw_beta[0].reshape(-1, h).contiguous(), self.A_log.reshape(h),
