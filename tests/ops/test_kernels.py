@@ -1,8 +1,9 @@
 """Triton kernels against the float64 reference.
 
-Two environments run the same checks: ``interp`` (CPU tensors, tiny shapes, needs
-``TRITON_INTERPRET=1``; runs in CI) and ``gpu`` (CUDA tensors at GLM-5.3 TP2 shapes:
-H=32, K=V=128; marked ``gpu``).
+Three environments run the same checks: ``interp`` and ``interp-2chunk`` (CPU tensors,
+tiny shapes, needs ``TRITON_INTERPRET=1``; runs in CI; the second forces the tile that
+holds K as two chunks, which the GPU picks at large batches) and ``gpu`` (CUDA tensors at
+GLM-5.3 TP2 shapes: H=32, K=V=128, batches that pick both tiles; marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ class Env:
     K: int
     V: int
     batches: tuple[int, ...]
+    tile: tuple[int, int, int] | None = None
+    """``triton_kda.TILE_OVERRIDE`` for the test (None: the kernels' own choice)."""
 
 
 INTERP = Env("cpu", 2, 16, 16, (3, 5))
+INTERP_2CHUNK = Env("cpu", 2, 16, 16, (3, 5), tile=(8, 2, 2))
 GPU = Env("cuda", 32, 128, 128, (1, 37, 256))
 
 
@@ -51,11 +55,15 @@ def _available(env: Env) -> bool:
 
 
 @pytest.fixture(params=[pytest.param(INTERP, id="interp"),
+                        pytest.param(INTERP_2CHUNK, id="interp-2chunk"),
                         pytest.param(GPU, id="gpu", marks=pytest.mark.gpu)])
-def env(request: pytest.FixtureRequest) -> Env:
+def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Env:
+    from vllm_recoverssm.ops import triton_kda
+
     e: Env = request.param
     if not _available(e):
         pytest.skip("needs CUDA" if e.device == "cuda" else "needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(triton_kda, "TILE_OVERRIDE", e.tile)
     return e
 
 

@@ -6,13 +6,18 @@ every kernel here is straight-line code: the token loop is unrolled over the S+1
 with masked loads (no per-token branches), which lets all of a program's loads be issued
 up front instead of paying one memory latency per token. Tokens past a request's length
 run as no-ops (decay 1, correction 0). Each program owns a [BV, K] tile of one head's
-state (K contiguous), so the reductions over K stay inside a warp.
+state (K contiguous), so the reductions over K stay inside a warp; from 1024
+(request, head) programs up the tile is held as two [BV, K/2] chunks, which spreads a row
+over half as many lanes: the chunks' products are added in registers and one reduction
+with one shuffle level less follows (``recoverssm bench`` on an H200: recovery verify at
+batch 256 from 0.442 to 0.347 ms at S=3 and from 0.849 to 0.702 ms at S=7).
 
 Tried and measured slower on an H200 (H=32, K=V=128, batch 256): a factored verify that
 replaces the token loop by a unit-triangular solve after one ``S0 @ [e^G k^ | e^G q^]``
-product (its small fp32 matrix products dominate), and a verify holding the state as
-four K-chunks to shorten the cross-lane reductions (register pressure). Commit uses a
-runtime token loop: rejected tokens then cost nothing.
+product (its small fp32 matrix products dominate); four K-chunks (register pressure from
+the per-token key/query/gate vectors); and both per-token reductions taken from the
+undecayed state so that they are independent (no faster). Commit uses a runtime token
+loop: rejected tokens then cost nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ def _gate(raw_g, a_coef, dt_bias, LOWER_BOUND: tl.constexpr, BOUNDED: tl.constex
 
 
 @triton.jit
+def _unit_chunks(x0, x1, NCH: tl.constexpr, EPS: tl.constexpr):
+    """Chunks of one vector divided by its L2 norm; the norm is summed chunk-wise first,
+    so verify and commit (same chunks, same tile) reduce it in the same order."""
+    sq = x0 * x0
+    if NCH == 2:
+        sq += x1 * x1
+    norm = tl.sqrt(tl.sum(sq, axis=0) + EPS)
+    return x0 / norm, x1 / norm
+
+
+@triton.jit
 def _verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     alog_ptr, dtb_ptr,
@@ -45,10 +61,11 @@ def _verify_kernel(
     corr_ptr, stride_corr_row, kg_ptr, stride_kg_row, ridx_ptr,
     out_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    NCOLS: tl.constexpr,
+    NCH: tl.constexpr, NCOLS: tl.constexpr,
     LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr,
     FULL_STATE: tl.constexpr, HAS_RIDX: tl.constexpr, EPS: tl.constexpr, SCALE: tl.constexpr,
 ):
+    KC: tl.constexpr = K // NCH
     pid_v = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -57,7 +74,7 @@ def _verify_kernel(
     if ntok <= 0:
         return
     vv = pid_v * BV + tl.arange(0, BV)
-    kk = tl.arange(0, K)
+    kc = tl.arange(0, KC)
     if FULL_STATE:
         nacc = tl.load(nacc_ptr + n)
         slot = tl.load(sidx_ptr + n * NCOLS + nacc - 1).to(tl.int64)
@@ -70,10 +87,18 @@ def _verify_kernel(
                      mask=(vv < V) & (t < ntok))
         return
 
-    tile = (h * V + vv[:, None]) * K + kk[None, :]
-    s = tl.load(state_ptr + slot * stride_state_slot + tile)
+    # The state tile is held as NCH column chunks of K/NCH (see the module docstring):
+    # both chunks' products are added in registers before one cross-lane reduction.
+    tile = (h * V + vv[:, None]) * K + kc[None, :]
+    s0 = tl.load(state_ptr + slot * stride_state_slot + tile)
+    s1 = s0
+    if NCH == 2:
+        s1 = tl.load(state_ptr + slot * stride_state_slot + tile + KC)
     a_coef = tl.exp(tl.load(alog_ptr + h))
-    dtb = tl.load(dtb_ptr + h * K + kk)
+    dtb0 = tl.load(dtb_ptr + h * K + kc)
+    dtb1 = dtb0
+    if NCH == 2:
+        dtb1 = tl.load(dtb_ptr + h * K + KC + kc)
     if not FULL_STATE:
         if HAS_RIDX:
             rrow = tl.load(ridx_ptr + n).to(tl.int64)
@@ -82,40 +107,61 @@ def _verify_kernel(
         has_rec = rrow >= 0
     for t in tl.static_range(NCOLS):
         valid = t < ntok
-        kmask = (kk < K) & valid
+        kmask = (kc < KC) & valid
         vmask = (vv < V) & valid
         row = (start + t) * H + h
-        raw_k = tl.load(k_ptr + row * K + kk, mask=kmask, other=0.0)
-        raw_q = tl.load(q_ptr + row * K + kk, mask=kmask, other=0.0)
-        raw_g = tl.load(g_ptr + row * K + kk, mask=kmask, other=0.0)
+        raw_k0 = tl.load(k_ptr + row * K + kc, mask=kmask, other=0.0)
+        raw_q0 = tl.load(q_ptr + row * K + kc, mask=kmask, other=0.0)
+        raw_g0 = tl.load(g_ptr + row * K + kc, mask=kmask, other=0.0)
+        raw_k1, raw_q1, raw_g1 = raw_k0, raw_q0, raw_g0
+        if NCH == 2:
+            raw_k1 = tl.load(k_ptr + row * K + KC + kc, mask=kmask, other=0.0)
+            raw_q1 = tl.load(q_ptr + row * K + KC + kc, mask=kmask, other=0.0)
+            raw_g1 = tl.load(g_ptr + row * K + KC + kc, mask=kmask, other=0.0)
         v_t = tl.load(v_ptr + row * V + vv, mask=vmask, other=0.0).to(tl.float32)
         b_t = tl.sigmoid(tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32))
-        kf = raw_k.to(tl.float32)
-        qf = raw_q.to(tl.float32)
-        k_t = kf / tl.sqrt(tl.sum(kf * kf, axis=0) + EPS)
-        q_t = qf / tl.sqrt(tl.sum(qf * qf, axis=0) + EPS) * SCALE
-        a_t = tl.where(kmask, tl.exp(_gate(raw_g.to(tl.float32), a_coef, dtb, LOWER_BOUND,
-                                           BOUNDED)), 1.0)
-        s = s * a_t[None, :]
-        c_t = b_t * (v_t - tl.sum(s * k_t[None, :], axis=1))
+        k0, k1 = _unit_chunks(raw_k0.to(tl.float32), raw_k1.to(tl.float32), NCH, EPS)
+        q0, q1 = _unit_chunks(raw_q0.to(tl.float32), raw_q1.to(tl.float32), NCH, EPS)
+        q0 = q0 * SCALE
+        q1 = q1 * SCALE
+        a0 = tl.where(kmask, tl.exp(_gate(raw_g0.to(tl.float32), a_coef, dtb0, LOWER_BOUND,
+                                          BOUNDED)), 1.0)
+        s0 = s0 * a0[None, :]
+        kv = s0 * k0[None, :]
+        if NCH == 2:
+            a1 = tl.where(kmask, tl.exp(_gate(raw_g1.to(tl.float32), a_coef, dtb1,
+                                              LOWER_BOUND, BOUNDED)), 1.0)
+            s1 = s1 * a1[None, :]
+            kv += s1 * k1[None, :]
+        c_t = b_t * (v_t - tl.sum(kv, axis=1))
         # an explicit fma, as in the commit kernel: the compiler may not contract
         # s * a + c * k two different ways, so commit reproduces this state bit for bit
-        s = tl.fma(c_t[:, None], k_t[None, :], s)
-        o_t = tl.sum(s * q_t[None, :], axis=1)
+        s0 = tl.fma(c_t[:, None], k0[None, :], s0)
+        qs = s0 * q0[None, :]
+        if NCH == 2:
+            s1 = tl.fma(c_t[:, None], k1[None, :], s1)
+            qs += s1 * q1[None, :]
+        o_t = tl.sum(qs, axis=1)
         tl.store(out_ptr + row * V + vv, o_t.to(out_ptr.dtype.element_ty), mask=vmask)
         if FULL_STATE:
             dst = tl.load(sidx_ptr + n * NCOLS + t).to(tl.int64)
             ok = valid & (dst >= 0)
-            tl.store(state_ptr + dst * stride_state_slot + tile, s,
-                     mask=(vv[:, None] < V) & ok)
+            smask = (vv[:, None] < V) & ok
+            tl.store(state_ptr + dst * stride_state_slot + tile, s0, mask=smask)
+            if NCH == 2:
+                tl.store(state_ptr + dst * stride_state_slot + tile + KC, s1, mask=smask)
         else:
             rec = (h * NCOLS + t)
             tl.store(corr_ptr + rrow * stride_corr_row + rec * V + vv, c_t,
                      mask=vmask & has_rec)
             kg_row = kg_ptr + rrow * stride_kg_row + rec * (2 * K)
             kg_mask = kmask & has_rec & (pid_v == 0)
-            tl.store(kg_row + kk, raw_k.to(kg_ptr.dtype.element_ty), mask=kg_mask)
-            tl.store(kg_row + K + kk, raw_g.to(kg_ptr.dtype.element_ty), mask=kg_mask)
+            kg_t = kg_ptr.dtype.element_ty
+            tl.store(kg_row + kc, raw_k0.to(kg_t), mask=kg_mask)
+            tl.store(kg_row + K + kc, raw_g0.to(kg_t), mask=kg_mask)
+            if NCH == 2:
+                tl.store(kg_row + KC + kc, raw_k1.to(kg_t), mask=kg_mask)
+                tl.store(kg_row + K + KC + kc, raw_g1.to(kg_t), mask=kg_mask)
 
 
 @triton.jit
@@ -124,11 +170,12 @@ def _commit_kernel(
     alog_ptr, dtb_ptr,
     sidx_ptr, clen_ptr, fidx_ptr, bidx_ptr, blen_ptr, ridx_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    NCOLS: tl.constexpr,
+    NCH: tl.constexpr, NCOLS: tl.constexpr,
     LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr,
     HAS_FINAL: tl.constexpr, HAS_BOUNDARY: tl.constexpr, HAS_RIDX: tl.constexpr,
     EPS: tl.constexpr, KG_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
 ):
+    KC: tl.constexpr = K // NCH
     pid_v = tl.program_id(0)
     n = tl.program_id(1)
     lh = tl.program_id(2)
@@ -172,56 +219,79 @@ def _commit_kernel(
         kg_stride = tl.multiple_of(kg_stride, 16)
 
     vv = pid_v * BV + tl.arange(0, BV)
-    kk = tl.arange(0, K)
-    tile = (h * V + vv[:, None]) * K + kk[None, :]
-    s = tl.load(state_ptr + src * s_stride + tile)
+    kc = tl.arange(0, KC)
+    # the same chunked tile as verify (see there): the key norm is reduced in its order
+    tile = (h * V + vv[:, None]) * K + kc[None, :]
+    s0 = tl.load(state_ptr + src * s_stride + tile)
+    s1 = s0
+    if NCH == 2:
+        s1 = tl.load(state_ptr + src * s_stride + tile + KC)
     a_coef = tl.exp(tl.load(alog_ptr + layer * H + h))
-    dtb = tl.load(dtb_ptr + (layer * H + h) * K + kk)
+    dtb0 = tl.load(dtb_ptr + (layer * H + h) * K + kc)
+    dtb1 = dtb0
+    if NCH == 2:
+        dtb1 = tl.load(dtb_ptr + (layer * H + h) * K + KC + kc)
     # A runtime loop: rejected tokens cost nothing (the records are small, so their
     # per-token load latency is hidden by the other programs on the SM).
     for t in range(0, clen):
         kg_row = kg_ptr + rrow * kg_stride + (h * NCOLS + t) * (2 * K)
-        raw_k = tl.load(kg_row + kk).to(tl.float32)
-        raw_g = tl.load(kg_row + K + kk).to(tl.float32)
+        raw_k0 = tl.load(kg_row + kc).to(tl.float32)
+        raw_g0 = tl.load(kg_row + K + kc).to(tl.float32)
+        raw_k1, raw_g1 = raw_k0, raw_g0
+        if NCH == 2:
+            raw_k1 = tl.load(kg_row + KC + kc).to(tl.float32)
+            raw_g1 = tl.load(kg_row + K + KC + kc).to(tl.float32)
         c_t = tl.load(corr_ptr + rrow * c_stride + (h * NCOLS + t) * V + vv)
-        k_t = raw_k / tl.sqrt(tl.sum(raw_k * raw_k, axis=0) + EPS)
-        a_t = tl.exp(_gate(raw_g, a_coef, dtb, LOWER_BOUND, BOUNDED))
+        k0, k1 = _unit_chunks(raw_k0, raw_k1, NCH, EPS)
         # the same rounding steps as verify: decay, then one fma
-        s = s * a_t[None, :]
-        s = tl.fma(c_t[:, None], k_t[None, :], s)
+        s0 = s0 * tl.exp(_gate(raw_g0, a_coef, dtb0, LOWER_BOUND, BOUNDED))[None, :]
+        s0 = tl.fma(c_t[:, None], k0[None, :], s0)
+        if NCH == 2:
+            s1 = s1 * tl.exp(_gate(raw_g1, a_coef, dtb1, LOWER_BOUND, BOUNDED))[None, :]
+            s1 = tl.fma(c_t[:, None], k1[None, :], s1)
         if HAS_BOUNDARY:
             if (bslot >= 0) & (t + 1 == blen):
-                tl.store(state_ptr + bslot * s_stride + tile, s)
+                tl.store(state_ptr + bslot * s_stride + tile, s0)
+                if NCH == 2:
+                    tl.store(state_ptr + bslot * s_stride + tile + KC, s1)
     if dst >= 0:
-        tl.store(state_ptr + dst * s_stride + tile, s)
+        tl.store(state_ptr + dst * s_stride + tile, s0)
+        if NCH == 2:
+            tl.store(state_ptr + dst * s_stride + tile + KC, s1)
 
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 """Torch dtypes the kernels read and write, with their Triton names."""
 
 
-def _tile_config(num_programs_without_v: int, V: int) -> tuple[int, int]:
-    """(block_v, num_warps) shared by verify and commit.
+def _tile_config(num_programs_without_v: int, V: int, ncols: int) -> tuple[int, int, int]:
+    """(block_v, num_warps, K chunks) shared by verify and commit.
 
-    Both kernels use the same tile shape so that their per-token key normalisation is
-    reduced in the same order: then commit reproduces verify's state bit for bit (an
-    H200 probe: bitwise equal with equal tiles, 1e-7 apart with (64, 4) against (32, 2)).
-    Among equal-tile choices these were the fastest measured on an H200 at H=32,
-    K=V=128, S = 3 and 7; small batches split V finer to fill the GPU.
+    Both kernels use the same tile so that their per-token key normalisation is reduced in
+    the same order: then commit reproduces verify's state bit for bit (an H200 probe:
+    bitwise equal with equal tiles, 1e-7 apart with (64, 4) against (32, 2)). The choices
+    are the fastest measured on an H200 at H=32, K=V=128: below 1024 (request, head)
+    programs, rows of 16 and the whole K in one chunk (small batches fill the GPU by
+    splitting V finer); above, two K chunks, with (64, 4) tiles for windows of up to 4
+    tokens and (32, 2) for longer ones.
     """
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
-    bv = 32 if num_programs_without_v >= 1024 else 16
-    return min(bv, V), 2
+    if num_programs_without_v < 1024:
+        return min(16, V), 2, 1
+    if ncols <= 4:
+        return min(64, V), 4, 2
+    return min(32, V), 2, 2
 
 
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 64 == 0 and t.stride(0) % 16 == 0
 
 
-# (block_v, num_warps) for tuning experiments, applied to verify and commit alike so the
-# commit stays bitwise equal to verify; None = the measured heuristic above.
-TILE_OVERRIDE: tuple[int, int] | None = None
+# (block_v, num_warps, K chunks of 1 or 2) for tuning experiments and tests, applied to
+# verify and commit alike so the commit stays bitwise equal to verify; None = the measured
+# heuristic above.
+TILE_OVERRIDE: tuple[int, int, int] | None = None
 
 
 def _check_kernel_dtypes(state: torch.Tensor) -> None:
@@ -256,7 +326,7 @@ def _verify_launch(
     out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
-    bv, warps = _tile_config(N * H, V)
+    bv, warps, nch = _tile_config(N * H, V, ncols)
     full = corrections is None
     dummy = state_indices
     grid = (V // bv, N, H)
@@ -270,7 +340,7 @@ def _verify_launch(
         kg if kg is not None else q, kg.stride(0) if kg is not None else 0,
         record_indices if record_indices is not None else dummy,
         out,
-        H=H, K=K, V=V, BV=bv, NCOLS=ncols,
+        H=H, K=K, V=V, BV=bv, NCH=nch, NCOLS=ncols,
         LOWER_BOUND=float(lower_bound) if lower_bound is not None else 0.0,
         BOUNDED=lower_bound is not None,
         FULL_STATE=full, HAS_RIDX=record_indices is not None,
@@ -362,7 +432,7 @@ def commit_triton(
         return
     if tables is None:
         tables = CommitTables(states, corrections, kg)
-    bv, warps = _tile_config(N * H, V)
+    bv, warps, nch = _tile_config(N * H, V, corrections[0].shape[2])
     si = plan.state_indices
     grid = (V // bv, N, L * H)
     _commit_kernel[grid](
@@ -374,7 +444,7 @@ def commit_triton(
         plan.boundary_indices if plan.boundary_indices is not None else si,
         plan.boundary_lens if plan.boundary_lens is not None else si,
         record_indices if record_indices is not None else si,
-        H=H, K=K, V=V, BV=bv, NCOLS=corrections[0].shape[2],
+        H=H, K=K, V=V, BV=bv, NCH=nch, NCOLS=corrections[0].shape[2],
         LOWER_BOUND=float(lower_bound) if lower_bound is not None else 0.0,
         BOUNDED=lower_bound is not None,
         HAS_FINAL=plan.final_indices is not None,
