@@ -2,8 +2,8 @@
 
 Three environments run the same checks: ``interp`` and ``interp-2chunk`` (CPU tensors,
 tiny shapes, needs ``TRITON_INTERPRET=1``; runs in CI; the second forces the tile that
-holds K as two chunks, which the GPU picks at large batches) and ``gpu`` (CUDA tensors at
-GLM-5.3 TP2 shapes: H=32, K=V=128, batches that pick both tiles; marked ``gpu``).
+holds K as two chunks, which the kernels pick for K >= 32) and ``gpu`` (CUDA tensors at
+GLM-5.3 TP2 shapes: H=32, K=V=128; marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Env:
 
 
 INTERP = Env("cpu", 2, 16, 16, (3, 5))
-INTERP_2CHUNK = Env("cpu", 2, 16, 16, (3, 5), tile=(8, 2, 2))
+INTERP_2CHUNK = Env("cpu", 2, 16, 16, (3, 5), tile=(8, 1, 2))
 GPU = Env("cuda", 32, 128, 128, (1, 37, 256))
 
 

@@ -6,11 +6,11 @@ every kernel here is straight-line code: the token loop is unrolled over the S+1
 with masked loads (no per-token branches), which lets all of a program's loads be issued
 up front instead of paying one memory latency per token. Tokens past a request's length
 run as no-ops (decay 1, correction 0). Each program owns a [BV, K] tile of one head's
-state (K contiguous), so the reductions over K stay inside a warp; from 1024
-(request, head) programs up the tile is held as two [BV, K/2] chunks, which spreads a row
-over half as many lanes: the chunks' products are added in registers and one reduction
-with one shuffle level less follows (``recoverssm bench`` on an H200: recovery verify at
-batch 256 from 0.442 to 0.347 ms at S=3 and from 0.849 to 0.702 ms at S=7).
+state (K contiguous), so the reductions over K stay inside a warp. The tile is held as
+two [BV, K/2] chunks, which spreads a row over half as many lanes: the chunks' products
+are added in registers and one reduction with one shuffle level less follows; with one
+warp per 16-row tile this took the recovery verify at batch 256 from 0.442 to 0.31 ms at
+S=3 and from 0.849 to 0.64 ms at S=7 (H200; ``recoverssm bench`` figures in the README).
 
 Tried and measured slower on an H200 (H=32, K=V=128, batch 256): a factored verify that
 replaces the token loop by a unit-triangular solve after one ``S0 @ [e^G k^ | e^G q^]``
@@ -264,24 +264,20 @@ TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 """Torch dtypes the kernels read and write, with their Triton names."""
 
 
-def _tile_config(num_programs_without_v: int, V: int, ncols: int) -> tuple[int, int, int]:
+def _tile_config(K: int, V: int) -> tuple[int, int, int]:
     """(block_v, num_warps, K chunks) shared by verify and commit.
 
     Both kernels use the same tile so that their per-token key normalisation is reduced in
     the same order: then commit reproduces verify's state bit for bit (an H200 probe:
-    bitwise equal with equal tiles, 1e-7 apart with (64, 4) against (32, 2)). The choices
-    are the fastest measured on an H200 at H=32, K=V=128: below 1024 (request, head)
-    programs, rows of 16 and the whole K in one chunk (small batches fill the GPU by
-    splitting V finer); above, two K chunks, with (64, 4) tiles for windows of up to 4
-    tokens and (32, 2) for longer ones.
+    bitwise equal with equal tiles, 1e-7 apart with (64, 4) against (32, 2)). One warp on
+    16 rows held as two K-chunks was the fastest tile for both kernels at every batch from
+    1 to 256 measured on an H200 (H=32, K=V=128, S = 3 and 7; against 8..128 rows, 1..8
+    warps, one or two chunks); it does not depend on the batch, so a verify replayed
+    from a padded CUDA graph and its eager commit always agree.
     """
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
-    if num_programs_without_v < 1024:
-        return min(16, V), 2, 1
-    if ncols <= 4:
-        return min(64, V), 4, 2
-    return min(32, V), 2, 2
+    return min(16, V), 1, (2 if K >= 32 else 1)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -326,7 +322,7 @@ def _verify_launch(
     out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
-    bv, warps, nch = _tile_config(N * H, V, ncols)
+    bv, warps, nch = _tile_config(K, V)
     full = corrections is None
     dummy = state_indices
     grid = (V // bv, N, H)
@@ -432,7 +428,7 @@ def commit_triton(
         return
     if tables is None:
         tables = CommitTables(states, corrections, kg)
-    bv, warps, nch = _tile_config(N * H, V, corrections[0].shape[2])
+    bv, warps, nch = _tile_config(K, V)
     si = plan.state_indices
     grid = (V // bv, N, L * H)
     _commit_kernel[grid](
