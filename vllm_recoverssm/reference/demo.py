@@ -254,6 +254,16 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     wave2: list[list[int]] | None = None
     try:
         for mode in MODES:
+            if on_gpu:
+                # Kernel compilation and graph capture happen on a mode's first steps; a
+                # short untimed run first keeps them out of the tokens/s compared below.
+                with SpecRuntime(model, RuntimeConfig(
+                    mode=mode, num_spec=S, max_running=max_running,
+                    max_model_len=max_model_len, block_size=block_size,
+                    prefix_caching=options.prefix_caching, cuda_graph=cuda_graph,
+                ), drafter) as warm_up:
+                    warm_up.add_request(prompts[0], 2 * (S + 1))
+                    warm_up.run()
             runtime = SpecRuntime(model, RuntimeConfig(
                 mode=mode, num_spec=S, max_running=max_running, max_model_len=max_model_len,
                 block_size=block_size, prefix_caching=options.prefix_caching,
