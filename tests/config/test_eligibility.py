@@ -39,8 +39,10 @@ def dep(**kw):
 CONDITIONS = [
     ("architecture", dict(architecture="Glm5NextForCausalLM"),
      dict(architecture="LlamaForCausalLM"), ["LlamaForCausalLM", "supported"]),
-    ("spec_method", dict(spec_method="dflash"), dict(spec_method="eagle"),
-     ["eagle", "MTP or DFlash"]),
+    ("spec_method", dict(spec_method="dflash"), dict(spec_method="medusa"),
+     ["medusa", "one chain of tokens"]),
+    ("spec_method", dict(spec_method="ngram"), dict(spec_method="extract_hidden_states"),
+     ["extract_hidden_states", "mtp, dflash"]),
     ("spec_method", dict(spec_method="glm5_next_mtp"), dict(spec_method=None, num_spec=0),
      ["no speculative decoding"]),
     ("num_spec", dict(num_spec=7), dict(num_spec=8), ["8 draft", "1..7"]),
@@ -52,13 +54,19 @@ CONDITIONS = [
     ("head_dim", dict(head_dim=128), dict(head_dim=64), ["64", "128"]),
     ("pipeline_parallel_size", dict(pipeline_parallel_size=1),
      dict(pipeline_parallel_size=2), ["2", "needs 1"]),
-    ("model_runner", dict(model_runner="v2"), dict(model_runner="v1"), ["v1", "V2"]),
+    ("model_runner", dict(model_runner="v1"), dict(model_runner="v1", cache_mode="align"),
+     ["v1", "V2", "prefix caching"]),
+    ("device", dict(device="cpu", gpu_capability=None, kernel_backend="reference"),
+     dict(device="other", gpu_capability=None), ["CUDA GPUs", "CPU platform"]),
     ("gpu", dict(gpu_capability=(8, 0)), dict(gpu_capability=(7, 5)), ["7.5", "8.0"]),
     ("gpu", dict(gpu_capability=(12, 1)), dict(gpu_capability=None), ["no CUDA GPU"]),
     ("kernel_backend", dict(kernel_backend="b12x", gpu_capability=(12, 0)),
      dict(kernel_backend="b12x", gpu_capability=(10, 0)), ["b12x", "SM12x"]),
     ("kernel_backend", dict(kernel_backend="triton"), dict(kernel_backend=None),
      ["no recovery kernel backend"]),
+    ("kernel_backend", dict(device="cpu", gpu_capability=None, kernel_backend="reference"),
+     dict(device="cpu", gpu_capability=None, kernel_backend="triton"),
+     ["triton", "needs a CUDA GPU"]),
     ("kv_connector", dict(kv_connector="request_boundary"), dict(kv_connector="generic"),
      ["generic", "only an atomic request-boundary connector can export recovery state"]),
     ("kv_connector", dict(kv_connector=None), dict(kv_connector="pd"),
@@ -104,9 +112,9 @@ def test_each_condition_both_ways(name, ok, bad, words):
 
 
 def test_forced_lists_every_failing_condition():
-    d = dep(architecture="X", spec_method="ngram", num_spec=9, activation_dtype="float32",
-            head_dim=64, pipeline_parallel_size=2, model_runner="v1", gpu_capability=None,
-            kernel_backend=None, kv_connector="pd")
+    d = dep(architecture="X", spec_method="medusa", num_spec=9, activation_dtype="float32",
+            head_dim=64, pipeline_parallel_size=2, model_runner="v1", cache_mode="align",
+            gpu_capability=None, kernel_backend=None, kv_connector="pd")
     with pytest.raises(IneligibleError) as ei:
         decide(d, "on")
     names = [f.name for f in ei.value.failures]

@@ -88,6 +88,18 @@ def on_gpu(capability: tuple[int, int] = (9, 0), v2_runner: bool = True) -> Iter
         yield
 
 
+def with_recovery_mode(vllm_config: Any, mode: str) -> Any:
+    """A copy of ``vllm_config`` that asks for recovery ``mode`` (auto, on, off)."""
+    import copy
+
+    from vllm_recoverssm.vllm_plugin.config import CONFIG_KEY
+
+    cfg = copy.copy(vllm_config)
+    object.__setattr__(cfg, "additional_config",
+                       {**dict(vllm_config.additional_config or {}), CONFIG_KEY: mode})
+    return cfg
+
+
 def with_prefix_caching(vllm_config: Any, block_size: int = 16) -> Any:
     """A copy of ``vllm_config`` with prefix caching on, as vLLM sets it up on a GPU.
 

@@ -13,7 +13,7 @@ import torch
 
 from vllm_recoverssm import ops
 
-from .conftest import MTP3, on_gpu, recording_b12x
+from .conftest import MTP3, on_gpu, recording_b12x, with_recovery_mode
 from .tiny_glm import CONV_WIDTH, HEAD_DIM, LINEAR_HEADS
 
 S = 3
@@ -47,6 +47,8 @@ def make_layer(cfg: Any, *, recovery: bool) -> Any:
 
     text = cfg.model_config.hf_text_config
     prefix = f"model.layers.{next(_names)}.linear_attn"
+    if not recovery:
+        cfg = with_recovery_mode(cfg, "off")
     with set_current_vllm_config(cfg), (on_gpu() if recovery else _Null()):
         layer = Glm5NextLinearAttention(text, cfg, prefix=prefix)
     gen = torch.Generator().manual_seed(3)
@@ -86,15 +88,24 @@ def test_the_plugin_layer_replaces_vllms_and_reports_the_recovery_page(
     from vllm_recoverssm.vllm_plugin.models.glm5next.kda import RecoverGlm5NextLinearAttention
 
     cfg = build_config(*MTP3)
+    seqs = cfg.scheduler_config.max_num_seqs
     p = plan(PlanConfig(model=model_spec_from_hf_config(
-        json.loads((tiny_glm / "config.json").read_text())), tp=1, num_spec=S))
+        json.loads((tiny_glm / "config.json").read_text())), tp=1, num_spec=S,
+        max_num_seqs=seqs))
     on = make_layer(cfg, recovery=True)
     off = make_layer(cfg, recovery=False)
     assert type(on) is type(off) is RecoverGlm5NextLinearAttention
     spec_on, spec_off = on.get_kv_cache_spec(cfg), off.get_kv_cache_spec(cfg)
-    assert spec_on.page_size_bytes == p.layout("recovery_in_page").page_bytes
+    # the page vLLM allocates is conv + one FP32 state: the planner's "records in scratch"
+    layout = p.layout("recovery_scratch")
+    assert spec_on.page_size_bytes == layout.page_bytes
     assert spec_on.num_speculative_blocks == 0
-    assert len(spec_on.shapes) == 4
+    assert len(spec_on.shapes) == 2 and spec_on.shapes == spec_off.shapes
+    # ... and the records are a scratch of max_num_seqs rows per layer, as planned
+    corrections, kg = on.recovery_records()
+    assert corrections.shape == (seqs, LINEAR_HEADS, S + 1, HEAD_DIM)
+    assert kg.shape == (seqs, LINEAR_HEADS, S + 1, 2 * HEAD_DIM)
+    assert (corrections.nbytes + kg.nbytes) * p.num_linear_layers == layout.scratch_bytes
     assert on.get_attn_backend() is RecoverKDAAttentionBackend
     # recovery off: exactly vLLM's layer behaviour
     assert spec_off.page_size_bytes == p.layout("full").page_bytes
@@ -153,27 +164,30 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
     with dim_first_conv(conv.transpose(-1, -2), slots) as (view, idx):
         x = ops.conv_update(qkv, view, weight, None, idx, qsl, activation="silu")
     q, k, v = (t.reshape(T, h, d).contiguous() for t in x.split(h * d, dim=-1))
-    corr = torch.zeros(blocks, h, S + 1, d)
-    kg = torch.zeros(blocks, h, S + 1, 2 * d, dtype=torch.bfloat16)
+    rows = torch.arange(n, dtype=torch.int32)  # records: one scratch row per spec row
+    corr = torch.zeros_like(layer.recovery_records()[0])
+    kg = torch.zeros_like(layer.recovery_records()[1])
     want = ops.verify_recovery(
         q, k, v, g1[0].contiguous(), beta[0].contiguous(), layer.A_log.detach().reshape(h),
         layer.dt_bias.detach().reshape(h, d), state0, slots, qsl, corr, kg,
-        lower_bound=-5.0, record_indices=slots)
+        lower_bound=-5.0, record_indices=rows)
 
     torch.testing.assert_close(out[0], want.to(out.dtype))
     if b12x is not None:
         # one adapter call per step, with what b12x binds: float32 gate parameters and
-        # the records addressed at the checkpoint slots
+        # the records addressed at the speculative rows' scratch rows
         [(name, args, kwargs)] = b12x.calls
         assert name == "verify"
         assert args[5].dtype == args[6].dtype == torch.float32
-        assert torch.equal(args[8], slots) and torch.equal(kwargs["record_indices"], slots)
-        assert args[10] is layer.kv_cache[2] and args[11] is layer.kv_cache[3]
+        assert torch.equal(args[8], slots) and torch.equal(kwargs["record_indices"], rows)
+        records = layer.recovery_records()
+        assert args[10] is records[0] and args[11] is records[1]
     assert out[0, S + 1: 2 * (S + 1)].abs().sum() == 0  # the null row
     assert out[0, : S + 1].abs().sum() > 0
     torch.testing.assert_close(layer.kv_cache[1], state0)  # verify never writes the checkpoint
-    torch.testing.assert_close(layer.kv_cache[2], corr)
-    torch.testing.assert_close(layer.kv_cache[3], kg)
+    torch.testing.assert_close(layer.recovery_records()[0], corr)
+    torch.testing.assert_close(layer.recovery_records()[1], kg)
+    assert len(layer.kv_cache) == 2  # vLLM's own page: conv history and the checkpoint
     torch.testing.assert_close(layer.kv_cache[0], conv)
     assert not torch.equal(layer.kv_cache[0][4], conv0[4])  # the window advanced
     torch.testing.assert_close(layer.kv_cache[0][0], conv0[0])  # null block untouched

@@ -1,5 +1,8 @@
 """vLLM's GPU model runner (V2) model state: commit accepted state, then capture.
 
+The verify records live in each layer's scratch (one row per speculative row of the step),
+not in the pages; the commit reads them from there.
+
 The model state is the plugin's real subclass of vLLM's ``MambaHybridModelState``; vLLM's
 own ``RecoverSSMState`` drives the commit through our metadata. Tensors are on the CPU, so
 our ops run their PyTorch reference. The only stand-in is vLLM's one-line Triton kernel
@@ -17,12 +20,13 @@ import torch
 from vllm_recoverssm import ops
 from vllm_recoverssm.ops import reference as ref
 
-from .conftest import MTP3, on_gpu, recording_b12x
+from .conftest import MTP3, on_gpu, recording_b12x, with_recovery_mode
 
 S, H, D, KC, BLOCKS = 3, 2, 16, 4, 6
 C, W = 3 * H * D, KC - 1 + S
 LOWER = -5.0
 NAMES = ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
+SCRATCH_ROWS = 8  # the layer's max_num_seqs
 
 
 class _ScatterAccepted:
@@ -48,9 +52,11 @@ def make_layer(gen: torch.Generator, blocks: int = BLOCKS,
         conv = rnd(blocks, C, W, dtype=torch.bfloat16)
     else:
         conv = rnd(blocks, W, C, dtype=torch.bfloat16)
+    records = (torch.zeros(SCRATCH_ROWS, H, S + 1, D),
+               torch.zeros(SCRATCH_ROWS, H, S + 1, 2 * D, dtype=torch.bfloat16))
     return SimpleNamespace(
-        kv_cache=(conv, rnd(blocks, H, D, D, scale=0.1), torch.zeros(blocks, H, S + 1, D),
-                  torch.zeros(blocks, H, S + 1, 2 * D, dtype=torch.bfloat16)),
+        kv_cache=(conv, rnd(blocks, H, D, D, scale=0.1)),
+        recovery_records=lambda: records,
         A_log=torch.nn.Parameter(rnd(1, 1, H, 1, scale=0.5)),
         dt_bias=torch.nn.Parameter(rnd(H * D, scale=0.5)),
         local_num_heads=H, head_dim=D, kda_lower_bound=LOWER, conv_size=KC,
@@ -77,8 +83,10 @@ def spec_step(layers: dict[str, Any], slots: list[int], gen: torch.Generator) ->
         g = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
         b = torch.randn(T, H, generator=gen).to(torch.bfloat16)
         a_log, dt = m.A_log.reshape(H), m.dt_bias.reshape(H, D)
-        ops.verify_recovery(q, k, v, g, b, a_log, dt, m.kv_cache[1], idx, qsl, m.kv_cache[2],
-                            m.kv_cache[3], lower_bound=LOWER, record_indices=idx)
+        corrections, kg = m.recovery_records()
+        ops.verify_recovery(q, k, v, g, b, a_log, dt, m.kv_cache[1], idx, qsl, corrections,
+                            kg, lower_bound=LOWER,
+                            record_indices=torch.arange(n, dtype=torch.int32))
         inputs[name] = (q, k, v, g, b, a_log.detach(), dt.detach())
     return inputs
 
@@ -110,8 +118,9 @@ def state_and_layers(build_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     layers = {name: make_layer(gen) for name in NAMES}
 
     def make(recovery: bool) -> tuple[Any, RecoverKDAMetadata]:
-        with set_current_vllm_config(cfg), (on_gpu() if recovery else _Null()):
-            state = ms.RecoverMambaHybridModelState(cfg, torch.nn.Module(), None,
+        mode_cfg = cfg if recovery else with_recovery_mode(cfg, "off")
+        with set_current_vllm_config(mode_cfg), (on_gpu() if recovery else _Null()):
+            state = ms.RecoverMambaHybridModelState(mode_cfg, torch.nn.Module(), None,
                                                     torch.device("cpu"))
         slots = [3, 0, 5]  # block 0 is vLLM's null block
         n = len(slots)
@@ -215,7 +224,7 @@ def test_b12x_commits_when_the_group_runs_on_b12x(
     [(name, args, kwargs)] = b12x.calls
     assert name == "commit" and len(args[0]) == len(NAMES)  # all layers in one call
     assert args[3].dtype == args[4].dtype == torch.float32  # [L, H], [L, H, K]
-    assert kwargs["record_indices"].tolist() == [3, -1, 5]
+    assert kwargs["record_indices"].tolist() == [0, 1, 2]  # the step's scratch rows
     for name, m in layers.items():
         for row, slot in ((0, 3), (2, 5)):
             want = expected_state(m, inputs[name], slot, row, int(num_sampled[row]),

@@ -46,11 +46,13 @@ def test_deployment_is_read_from_the_real_config(build_config: Any) -> None:
     d = deployment_from_vllm_config(cfg, gpu_capability=(9, 0))
     assert d.architecture == "Glm5NextForConditionalGeneration"
     assert (d.spec_method, d.num_spec) == ("mtp", 3)
-    assert (d.activation_dtype, d.state_dtype, d.head_dim) == ("bfloat16", "auto", 128)
+    # The state dtype is the one vLLM resolves for KDA state: float32 whether or not this
+    # CPU has AVX512-BF16 (vLLM's CPU platform then rewrites "auto" to "float32").
+    assert (d.activation_dtype, d.state_dtype, d.head_dim) == ("bfloat16", "float32", 128)
     assert (d.pipeline_parallel_size, d.cache_mode, d.kv_connector) == (1, "none", None)
     # on this CPU machine vLLM itself picks the V1 runner
     assert d.model_runner == "v1"
-    assert d.kernel_backend == "triton"
+    assert (d.device, d.kernel_backend) == ("cuda", "triton")
 
 
 def test_auto_turns_recovery_on_for_an_eligible_glm53(build_config: Any) -> None:
@@ -64,16 +66,27 @@ def test_auto_turns_recovery_on_for_an_eligible_glm53(build_config: Any) -> None
     assert "--no-use-replayssm" in decision.summary()
 
 
-def test_auto_keeps_full_states_here_and_says_why(build_config: Any) -> None:
+def test_auto_on_vllms_cpu_platform_runs_the_reference_ops(build_config: Any) -> None:
     cfg = build_config(*MTP3)
-    decision = decide_for_vllm_config(cfg)  # this machine: no GPU, V1 runner
-    assert not decision.use_recovery
-    assert {f.name for f in decision.failures} == {"model_runner", "gpu", "kernel_backend"}
-    with on_gpu(v2_runner=False):
-        assert [f.name for f in decide_for_vllm_config(cfg).failures] == ["model_runner"]
+    d = deployment_from_vllm_config(cfg)  # this machine: vLLM's CPU platform, V1 runner
+    assert (d.device, d.gpu_capability, d.kernel_backend, d.model_runner) == (
+        "cpu", None, "reference", "v1")
+    decision = decide_for_vllm_config(cfg)
+    assert decision.use_recovery and not decision.failures
+    with on_gpu(v2_runner=False):  # runner V1 commits after sampling too
+        assert decide_for_vllm_config(cfg).use_recovery
     with on_gpu(capability=(7, 5)):
         assert {f.name for f in decide_for_vllm_config(cfg).failures} == {
             "gpu", "kernel_backend"}
+
+
+def test_prefix_caching_under_runner_v1_keeps_full_states(build_config: Any) -> None:
+    cfg = with_prefix_caching(build_config(*MTP3), block_size=16)
+    with on_gpu(v2_runner=False):
+        decision = decide_for_vllm_config(cfg)
+    assert not decision.use_recovery
+    assert [f.name for f in decision.failures] == ["model_runner"]
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in decision.failures[0].message
 
 
 def test_prefix_caching_align_mode_keeps_recovery_automatic(build_config: Any) -> None:
@@ -113,12 +126,12 @@ def test_forced_recovery_on_an_ineligible_deployment_fails_at_startup(
 ) -> None:
     with pytest.raises(IneligibleError) as info:
         build_config("--speculative-config",
-                     '{"method": "mtp", "num_speculative_tokens": 3}', "--use-replayssm",
+                     '{"method": "mtp", "num_speculative_tokens": 9}', "--use-replayssm",
                      "--dtype", "float16")
     text = str(info.value)
     names = [f.name for f in info.value.failures]
-    assert names == ["activation_dtype", "model_runner", "gpu", "kernel_backend"]
-    for phrase in ("activations are float16", "model runner is v1", "no CUDA GPU"):
+    assert names == ["num_spec", "activation_dtype"]
+    for phrase in ("9 draft tokens per step", "activations are float16"):
         assert phrase in text
 
 

@@ -7,15 +7,18 @@ reports each failing one by a stable name (:class:`Failure`):
 name                     condition
 =======================  ================================================================
 architecture             GLM-5.3 (automatic), Kimi-Linear / Kimi-K3 or Qwen3-Next (opt-in)
-spec_method              MTP or DFlash speculative decoding
+spec_method              a linear-chain drafter: MTP, DFlash, EAGLE, n-gram, suffix or a
+                         draft model (the target only sees a window and an accepted count)
 num_spec                 1..7 draft tokens (the verify window holds at most 8 tokens)
 activation_dtype         bfloat16 activations
 state_dtype              float32 recurrent state ("auto" resolves to float32 for KDA)
 head_dim                 128
 pipeline_parallel_size   1 (non-last PP ranks never run the commit)
-model_runner             vLLM's GPU model runner V2 (the only runner that commits)
-gpu                      a CUDA GPU of compute capability 8.0 or newer
-kernel_backend           triton (SM80+) or b12x (SM12x only)
+model_runner             V1 or V2; prefix caching (cache mode ``align``) needs V2, whose
+                         runner moves the running-state block after the commit
+device                   a CUDA GPU, or vLLM's CPU platform (the PyTorch reference ops)
+gpu                      on CUDA: compute capability 8.0 or newer
+kernel_backend           triton (SM80+), b12x (SM12x only) or reference (CPU)
 kv_connector             none, or an atomic request-boundary connector
 stochastic_rounding      off
 =======================  ================================================================
@@ -67,7 +70,10 @@ OTHER_SPEC_METHODS: frozenset[str] = frozenset({
     "eagle3", "extract_hidden_states", "dflash", "ngram_gpu", "dspark",
 })
 SPEC_METHODS = MTP_METHODS | OTHER_SPEC_METHODS
-RECOVERY_SPEC_METHODS = ("mtp", "dflash")
+RECOVERY_SPEC_METHODS = ("mtp", "dflash", "eagle", "eagle3", "ngram", "ngram_gpu", "suffix",
+                         "draft_model", "custom_class")
+"""Drafters that propose one chain of tokens: the target verifies a window of up to S+1
+tokens and keeps an accepted prefix, which is all recovery sees."""
 MIN_NUM_SPEC, MAX_NUM_SPEC = 1, 7
 MIN_GPU_CAPABILITY = (8, 0)
 
@@ -80,7 +86,8 @@ _DTYPE_ALIASES = {
 ActivationDType = Literal["bfloat16", "float16", "float32"]
 StateDType = Literal["auto", "float32", "float16", "bfloat16"]
 ModelRunner = Literal["v1", "v2"]
-KernelBackend = Literal["triton", "b12x"]
+KernelBackend = Literal["triton", "b12x", "reference"]
+Device = Literal["cuda", "cpu", "other"]
 KVConnectorKind = Literal["request_boundary", "generic", "pd"]
 CacheMode = Literal["none", "align"]
 
@@ -119,6 +126,7 @@ class Deployment(BaseModel):
     head_dim: int = Field(default=128, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
     model_runner: ModelRunner = "v2"
+    device: Device = "cuda"
     gpu_capability: tuple[int, int] | None = Field(
         default=None, description="CUDA compute capability (major, minor); None = no GPU"
     )
@@ -233,7 +241,8 @@ def check_conditions(d: Deployment) -> list[Failure]:
              "DFlash drafts")
     elif method not in RECOVERY_SPEC_METHODS:
         fail("spec_method", f"speculative method {d.spec_method} is not supported; recovery "
-             "needs MTP or DFlash")
+             "needs a drafter that proposes one chain of tokens: "
+             + ", ".join(RECOVERY_SPEC_METHODS))
     if method is not None and not MIN_NUM_SPEC <= d.num_spec <= MAX_NUM_SPEC:
         fail("num_spec", f"{d.num_spec} draft tokens per step; recovery needs "
              f"{MIN_NUM_SPEC}..{MAX_NUM_SPEC} (a verify window of at most 8 tokens)")
@@ -249,16 +258,24 @@ def check_conditions(d: Deployment) -> list[Failure]:
         fail("pipeline_parallel_size", f"pipeline parallel size is "
              f"{d.pipeline_parallel_size}; recovery needs 1 (non-last pipeline ranks never "
              "run the commit)")
-    if d.model_runner != "v2":
-        fail("model_runner", f"model runner is {d.model_runner}; recovery needs vLLM's GPU "
-             "model runner V2, the only runner that commits accepted state")
-    if d.gpu_capability is None:
+    if d.model_runner != "v2" and d.cache_mode == "align":
+        fail("model_runner", f"model runner is {d.model_runner} with prefix caching (mamba "
+             "cache mode align); recovery there needs vLLM's GPU model runner V2 "
+             "(VLLM_USE_V2_MODEL_RUNNER=1), which moves the running-state block after the "
+             "commit, or --no-enable-prefix-caching")
+    if d.device == "cpu":
+        if d.kernel_backend not in (None, "reference"):
+            fail("kernel_backend", f"the {d.kernel_backend} backend needs a CUDA GPU; on the "
+                 "CPU the PyTorch reference ops run")
+    elif d.device != "cuda":
+        fail("device", "recovery runs on CUDA GPUs and on vLLM's CPU platform only")
+    elif d.gpu_capability is None:
         fail("gpu", "no CUDA GPU; recovery kernels need an NVIDIA GPU of compute "
              f"capability {_fmt_cap(MIN_GPU_CAPABILITY)} or newer")
     elif tuple(d.gpu_capability) < MIN_GPU_CAPABILITY:
         fail("gpu", f"GPU compute capability is {_fmt_cap(d.gpu_capability)}; recovery "
              f"needs {_fmt_cap(MIN_GPU_CAPABILITY)} or newer")
-    if d.kernel_backend is None:
+    if d.device == "cuda" and d.kernel_backend in (None, "reference"):
         fail("kernel_backend", "no recovery kernel backend is available; install Triton "
              "(or b12x on SM12x)")
     elif d.kernel_backend == "b12x" and (d.gpu_capability is None

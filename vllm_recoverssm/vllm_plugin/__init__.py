@@ -44,10 +44,14 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm import ModelRegistry
+    from . import compat
 
+    compat.check_supported_version()
     for arch, target in OVERRIDDEN_ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, target)
+        compat.register_model(arch, target)
+    from .model_loader import register_loader
+
+    register_loader()
     from . import engine_args
 
     engine_args.install()
@@ -70,7 +74,7 @@ def announce(message: str) -> None:
     if logging.getLogger("vllm").handlers:
         log.info(message)
         return
-    import vllm.envs as envs
+    from .compat import vllm_logging_level
 
-    if getattr(logging, str(envs.VLLM_LOGGING_LEVEL).upper(), logging.INFO) <= logging.INFO:
+    if getattr(logging, vllm_logging_level().upper(), logging.INFO) <= logging.INFO:
         print(f"INFO [vllm-recoverssm] {message}", file=sys.stderr)

@@ -23,6 +23,7 @@ from ..config import (
     check_conditions,
     decide,
 )
+from . import compat
 from .kernels import choose_kernel_backend, cuda_capability
 
 if TYPE_CHECKING:
@@ -43,8 +44,9 @@ _logged: set[tuple[Any, ...]] = set()
 
 def plugin_logger() -> logging.Logger:
     """The plugin's logger, after vLLM has configured its logging (on first import)."""
-    import vllm.logger  # noqa: F401  (configures the "vllm" logger's handlers)
+    from .compat import configure_vllm_logging
 
+    configure_vllm_logging()
     return logging.getLogger(LOGGER_NAME)
 
 
@@ -98,10 +100,15 @@ def deployment_from_vllm_config(
     """Describe the deployment ``vllm_config`` configures, for :func:`decide`.
 
     ``gpu_capability`` defaults to the CUDA device's (None without one); pass a tuple to
-    decide for another GPU.
+    decide for another GPU. Without a GPU the device is vLLM's platform (``cpu`` on its CPU
+    platform, where the plugin runs the PyTorch reference ops). The state dtype is the one
+    vLLM resolves for KDA state (``auto`` is float32).
     """
     cap = cuda_capability() if gpu_capability == "detect" else gpu_capability
     assert cap is None or isinstance(cap, tuple)
+    device = "cuda" if cap is not None else compat.platform_name()
+    if device not in ("cuda", "cpu"):
+        device = "other"
     spec = vllm_config.speculative_config
     cache = vllm_config.cache_config
     mamba = getattr(vllm_config, "mamba_config", None)
@@ -110,12 +117,13 @@ def deployment_from_vllm_config(
         "spec_method": spec.method if spec is not None else None,
         "num_spec": vllm_config.num_speculative_tokens,
         "activation_dtype": str(vllm_config.model_config.dtype),
-        "state_dtype": cache.mamba_ssm_cache_dtype,
+        "state_dtype": str(compat.kda_state_dtypes(vllm_config)[1]),
         "head_dim": _linear_head_dim(vllm_config),
         "pipeline_parallel_size": vllm_config.parallel_config.pipeline_parallel_size,
         "model_runner": "v2" if vllm_config.use_v2_model_runner else "v1",
+        "device": device,
         "gpu_capability": cap,
-        "kernel_backend": choose_kernel_backend(cap),
+        "kernel_backend": "reference" if device == "cpu" else choose_kernel_backend(cap),
         "kv_connector": kv_connector_kind(vllm_config),
         "cache_mode": "align" if cache.mamba_cache_mode == "align" else "none",
         "stochastic_rounding": bool(getattr(mamba, "enable_stochastic_rounding", False)),

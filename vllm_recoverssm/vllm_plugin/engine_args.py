@@ -113,7 +113,7 @@ def install() -> None:
     plugins before its engine arguments would otherwise miss the hooks. After vLLM's
     config package (always loaded by then) the import costs a few tens of milliseconds.
     """
-    from vllm.engine.arg_utils import EngineArgs
+    from .compat import EngineArgs
 
     engine_args_cls: Any = EngineArgs
     if getattr(engine_args_cls, _HOOKED, False):

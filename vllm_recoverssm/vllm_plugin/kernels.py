@@ -60,12 +60,9 @@ def choose_kernel_backend(
 
 def cuda_capability() -> tuple[int, int] | None:
     """The current CUDA device's compute capability, or None without a CUDA GPU."""
-    from vllm.platforms import current_platform
+    from .compat import cuda_capability as detect
 
-    if not current_platform.is_cuda():
-        return None
-    cap = current_platform.get_device_capability()
-    return None if cap is None else (int(cap.major), int(cap.minor))
+    return detect()
 
 
 def b12x_recovery_for(vllm_config: Any, device: torch.device) -> B12xKdaRecovery | None:

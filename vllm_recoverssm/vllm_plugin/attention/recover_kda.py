@@ -4,22 +4,28 @@ vLLM's generic GDN builder hands every speculative row ``S+1`` state slots (one 
 token) and the previous step's accepted count. Under recovery there is one checkpoint per
 request, always committed with zero speculative offset, so
 :class:`RecoverKDAMetadataBuilder` narrows the speculative state indices to that single
-column and passes neutral accepted counts (ones). Its metadata also implements vLLM's
-``RecoverSSMMetadata`` interface, so the GPU model runner (V2) calls
-:meth:`RecoverKDAMetadata.commit_recoverssm_state` after sampling — one commit and one conv
-compaction for all KDA layers of the KV-cache group.
+column and passes neutral accepted counts (ones). Verify writes speculative row ``i``'s
+update records into row ``i`` of each layer's record scratch.
 
-Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models) keeps a
-state block every ``B`` tokens. There the builder takes vLLM's aligned state indices (the
-block of the step's last scheduled token, which vLLM's runner pre-copies the checkpoint
-into), and commit follows :func:`~vllm_recoverssm.state.build_align_commit_plan`: the
-committed state goes to the block of the last accepted token and, when the accepted tokens
-cross a block boundary, the state at the boundary goes to the block that ends there, so it
-becomes a cacheable prefix block. The commit reads the checkpoint, the records and the
-conv window from the slot verify used. vLLM's runner then moves its running-state column
+Commit runs after sampling, in the same step, under both of vLLM's model runners:
+runner V2 calls :meth:`RecoverKDAMetadata.commit_recoverssm_state` itself (vLLM's
+``RecoverSSMMetadata`` interface, from its model-state postprocess); under runner V1 the
+builder leaves the step's metadata with its group's :class:`RecoveryCommitContext` and the
+plugin's post-sampling hook (:mod:`..worker.commit`) commits it. Either way it is one
+commit and one conv compaction for all KDA layers of the KV-cache group, before the next
+step (and before any request-boundary export) reads the state.
+
+Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models; runner
+V2) keeps a state block every ``B`` tokens. There the builder takes vLLM's aligned state
+indices (the block of the step's last scheduled token, which vLLM's runner pre-copies the
+checkpoint into), and commit follows
+:func:`~vllm_recoverssm.state.build_align_commit_plan`: the committed state goes to the
+block of the last accepted token and, when the accepted tokens cross a block boundary,
+the state at the boundary goes to the block that ends there, so it becomes a cacheable
+prefix block. The commit reads the checkpoint and the conv window from the slot verify
+used. vLLM's runner then moves its running-state column
 (``RecoverSSMPostprocessMetadata``).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -29,21 +35,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.v1.attention.backends.gdn_attn import (
-    GDNAttentionBackend,
-    GDNAttentionMetadata,
-    GDNAttentionMetadataBuilder,
-)
-from vllm.v1.attention.backends.recoverssm_metadata import (
-    RecoverSSMMetadata,
-    RecoverSSMPostprocessMetadata,
-)
-from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from ... import ops
 from ...ops.b12x_kda import B12xKdaRecovery
 from ...state.commit_plan import build_align_commit_plan
+from .. import compat
 from ..kernels import b12x_recovery_for
+from ..worker.commit import register_commit_context
+
+GDNAttentionBackend: Any = compat.GDNAttentionBackend
+GDNAttentionMetadata: Any = compat.GDNAttentionMetadata
+GDNAttentionMetadataBuilder: Any = compat.GDNAttentionMetadataBuilder
+RecoverSSMMetadata: Any = compat.RecoverSSMMetadata
+RecoverSSMPostprocessMetadata: Any = compat.RecoverSSMPostprocessMetadata
+NULL_BLOCK_ID: int = compat.NULL_BLOCK_ID
 
 RECOVERY_STATE_COLUMNS = 1
 """State columns a speculative row gets under recovery (generic GDN: S+1)."""
@@ -125,17 +130,20 @@ class RecoveryCommitContext:
     def __init__(self, layer_names: list[str], static_forward_context: dict[str, Any],
                  ops_backend: str = "auto", b12x: B12xKdaRecovery | None = None) -> None:
         self.layer_names = list(layer_names)
-        self._context = static_forward_context
+        self.forward_context = static_forward_context
+        """vLLM's layer table (``static_forward_context``) the layer names index."""
         self.ops_backend = ops_backend
         self.b12x = b12x
         """b12x's verify and commit for this group (SM12x), or None for our kernels."""
         self.validate: bool | None = None
         """Argument checks that read device values; default: only off CUDA (they sync)."""
         self._params: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.step: RecoverKDAMetadata | None = None
+        """The step built last and not yet committed (used under runner V1)."""
 
     def layers(self) -> list[Any]:
         """The layer modules, in group order."""
-        return [self._context[name] for name in self.layer_names]
+        return [self.forward_context[name] for name in self.layer_names]
 
     def _gate_params(self, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         # Parameters are fixed once weights are loaded; stack them once for the
@@ -147,29 +155,41 @@ class RecoveryCommitContext:
             self._params = (a_log.float().contiguous(), dt_bias.float().contiguous())
         return self._params
 
-    def commit(self, plan: ops.CommitPlan, record_indices: torch.Tensor) -> None:
-        """Replay each row's accepted records (read from ``record_indices``, the slots
-        verify wrote) as ``plan`` says, then compact the conv history the same way."""
+    def commit(self, plan: ops.CommitPlan, record_rows: torch.Tensor) -> None:
+        """Replay each row's accepted records (scratch row ``record_rows[i]``, where verify
+        wrote them) as ``plan`` says, then compact the conv history the same way."""
         layers = self.layers()
         if not layers or plan.num_rows == 0:
             return
         a_log, dt_bias = self._gate_params(layers)
         on_gpu = plan.state_indices.is_cuda
         check = (not on_gpu) if self.validate is None else self.validate
-        caches = [m.kv_cache for m in layers]
-        pools = ([c[1] for c in caches], [c[2] for c in caches], [c[3] for c in caches])
+        records = [m.recovery_records() for m in layers]
+        pools = ([m.kv_cache[1] for m in layers], [r[0] for r in records],
+                 [r[1] for r in records])
         if self.b12x is not None:
             self.b12x.commit(*pools, a_log, dt_bias, plan,
                              lower_bound=layers[0].kda_lower_bound,
-                             record_indices=record_indices, validate=check)
+                             record_indices=record_rows, validate=check)
         else:
             ops.commit(*pools, a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
-                       record_indices=record_indices, backend=self.ops_backend,
+                       record_indices=record_rows, backend=self.ops_backend,
                        validate=check)
-        for m, c in zip(layers, caches, strict=True):
-            with dim_first_conv_plan(m.conv_state_dim_first_view(c[0]), plan) as (conv, lp):
+        for m in layers:
+            view = m.conv_state_dim_first_view(m.kv_cache[0])
+            with dim_first_conv_plan(view, plan) as (conv, lp):
                 ops.conv_compact(conv, lp, kernel_width=m.conv_size,
                                  backend=self.ops_backend, validate=check)
+
+    def set_step(self, metadata: RecoverKDAMetadata | None) -> None:
+        """Remember this step's metadata for the post-sampling commit (runner V1)."""
+        self.step = metadata
+
+    def commit_step(self, num_sampled: torch.Tensor) -> None:
+        """Commit the remembered step (``num_sampled`` per batch row), once."""
+        step, self.step = self.step, None
+        if step is not None:
+            step.commit_recoverssm_state(num_sampled)
 
 
 @dataclass(frozen=True)
@@ -193,11 +213,19 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
     """Batch row of each speculative row (to read its sampled-token count)."""
     align: AlignCommitInfo | None = None
     """Set in mamba cache mode ``align`` (prefix caching)."""
+    committed: bool = False
+    """Set by the first commit: a step's records are replayed once."""
 
     def spec_slots(self) -> torch.Tensor:
         """The checkpoint slot of each speculative row (null rows are -1)."""
         assert self.spec_state_indices_tensor is not None
         return to_ops_slots(self.spec_state_indices_tensor[: self.num_spec_decodes, 0])
+
+    def record_rows(self) -> torch.Tensor:
+        """The record-scratch row of each speculative row: its position in the step."""
+        assert self.spec_state_indices_tensor is not None
+        return torch.arange(self.num_spec_decodes, dtype=torch.int32,
+                            device=self.spec_state_indices_tensor.device)
 
     def commit_recoverssm_state(
         self, num_accepted_tokens: torch.Tensor
@@ -207,8 +235,9 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
         Returns vLLM's align-mode postprocess description in mamba cache mode ``align``
         (vLLM then moves each row's running-state column), else None.
         """
-        if self.commit_context is None or self.num_spec_decodes == 0:
+        if self.commit_context is None or self.num_spec_decodes == 0 or self.committed:
             return None
+        self.committed = True
         assert self.spec_request_rows is not None and self.spec_query_start_loc is not None
         n = self.num_spec_decodes
         rows = self.spec_request_rows[:n]
@@ -216,12 +245,13 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
         query_lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
         sampled = num_accepted_tokens.to(torch.int32)[rows]
         slots = self.spec_slots().contiguous()
+        records = self.record_rows()
         if self.align is None:
             commit_lens = torch.minimum(sampled.clamp(min=0), query_lens).contiguous()
             plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
-            self.commit_context.commit(plan, slots)
+            self.commit_context.commit(plan, records)
             return None
-        self.commit_context.commit(self.align_plan(rows, query_lens, sampled, slots), slots)
+        self.commit_context.commit(self.align_plan(rows, query_lens, sampled, slots), records)
         return RecoverSSMPostprocessMetadata(
             num_spec_decodes=n,
             request_indices=rows.to(torch.int32),
@@ -241,7 +271,7 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
             self.align.block_size, validate=check,
         )
         # vLLM pre-copies the checkpoint into the block verify reads (the block of the
-        # last scheduled token); verify's records and conv window are there too.
+        # last scheduled token); verify's conv window is there too.
         live = plan.state_indices >= 0
         plan.state_indices = torch.where(live, slots, -1).to(torch.int32).contiguous()
         return plan
@@ -262,6 +292,7 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
             layer_names, vllm_config.compilation_config.static_forward_context,
             b12x=b12x_recovery_for(vllm_config, device),
         )
+        register_commit_context(self.commit_context)
         # Neutral accepted counts: the checkpoint never carries a speculative offset.
         self._ones = torch.ones(self.decode_cudagraph_max_bs, dtype=torch.int32,
                                 device=device)
@@ -277,7 +308,15 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         """Build vLLM's GDN metadata, then narrow it to one state column per row."""
         meta = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                              num_decode_draft_tokens_cpu, fast_build)
-        return self.narrow(meta, common_attn_metadata)
+        narrowed = self.narrow(meta, common_attn_metadata)
+        self.commit_context.set_step(narrowed if narrowed.num_spec_decodes else None)
+        return narrowed
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> RecoverKDAMetadata:
+        """Capture metadata: built like a step's, but never committed (no sampling)."""
+        meta = super().build_for_cudagraph_capture(common_attn_metadata)
+        self.commit_context.set_step(None)
+        return meta  # type: ignore[no-any-return]
 
     def narrow(self, meta: GDNAttentionMetadata,
                common: Any | None = None) -> RecoverKDAMetadata:

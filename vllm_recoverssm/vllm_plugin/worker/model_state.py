@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
-from vllm.v1.worker.gpu.model_states.recoverssm import RecoverSSMState
 
+from .. import compat
 from ..config import recovery_enabled
+
+MambaHybridModelState: Any = compat.MambaHybridModelState
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def unregister_boundary_capture(hook: BoundaryCapture) -> None:
         _captures.remove(hook)
 
 
-class RecoverMambaHybridModelState(MambaHybridModelState):
+class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
     """``MambaHybridModelState`` that commits GLM-5.3 recovery state, then captures."""
 
     def __init__(self, vllm_config: Any, model: Any, encoder_cache: Any,
@@ -68,8 +69,8 @@ class RecoverMambaHybridModelState(MambaHybridModelState):
             # window (cudagraph_utils); no GLM-5.3 code reads it otherwise.
             vllm_config.cache_config.use_kda_recoverssm = True
         super().__init__(vllm_config, model, encoder_cache, device)
-        if self.use_recovery and self.recoverssm is None:
-            self.recoverssm = RecoverSSMState()
+        if self.use_recovery and getattr(self, "recoverssm", None) is None:
+            self.recoverssm = compat.RecoverSSMState()
 
     def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor | int,
                           num_computed_tokens: torch.Tensor | None = None) -> None:

@@ -1,48 +1,37 @@
-"""GLM-5.3 KDA layer whose speculative path runs recovery verify.
+"""GLM-5.3 KDA layer that serves every row, with recovery or full speculative states.
 
 ``RecoverGlm5NextLinearAttention`` replaces vLLM's ``Glm5NextLinearAttention`` through
 ``PluggableLayer.register_oot`` (done by :func:`register_layer` when the GLM-5.3 model
-module is imported). With recovery off for the deployment it is the parent layer, unchanged.
-With recovery on:
+module is imported).
 
-* its state is four tensors per page — conv history, the FP32 checkpoint, and the
-  per-token records (FP32 corrections, raw k|g) — built with vLLM's own
-  ``append_kda_recoverssm_record`` shape/dtype helpers, and its KV-cache spec reserves no
-  speculative blocks (one page per request, not S+1);
-* its metadata comes from :class:`~..attention.recover_kda.RecoverKDAMetadataBuilder`
-  (one state column per speculative row);
-* speculative rows run :func:`vllm_recoverssm.ops.conv_update` (zero offset) and
-  :func:`vllm_recoverssm.ops.verify_recovery` (reads the checkpoint, writes records);
-  prompt and non-speculative rows still run vLLM's own code, called with the speculative
-  rows taken out of the metadata.
+State layout. A request's page is vLLM's own: conv history (``Kc-1+S`` columns) and one
+FP32 recurrent state, so every vLLM code path that reads the page sees the two tensors it
+expects. Under recovery the KV-cache spec reserves no speculative blocks (one page per
+request instead of ``S+1``), and the per-token update records live in two per-layer
+scratch buffers of ``max_num_seqs`` rows (FP32 corrections, raw k|g in the activation
+dtype), indexed by the speculative row of the step: they only live from verify to the
+commit after sampling, so no cached or exported page carries them.
+
+Rows. Speculative rows under recovery run :func:`.kda_rows.recovery_rows` (conv at offset
+0, recovery verify). On a platform where vLLM has KDA kernels (CUDA) every other row, and
+every row with recovery off, runs vLLM's own code. Where vLLM has none (its CPU platform)
+the layer runs every row with the project's ops in both modes (:mod:`.kda_rows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
-from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.mamba.mamba_utils import (
-    MambaStateDtypeCalculator,
-    MambaStateShapeCalculator,
-)
-from vllm.models.glm5next.common.kda import Glm5NextLinearAttention
 
-from .... import ops
-from ...attention.recover_kda import (
-    RecoverKDAAttentionBackend,
-    RecoverKDAMetadata,
-    dim_first_conv,
-)
+from ... import compat
+from ...attention.recover_kda import RecoverKDAAttentionBackend, RecoverKDAMetadata
 from ...config import recovery_enabled
+from .kda_rows import full_state_rows, prompt_rows, recovery_rows
 
-_PARENT_FORWARD = getattr(Glm5NextLinearAttention._forward, "__wrapped__",
-                          Glm5NextLinearAttention._forward)
+_BASE: Any = compat.Glm5NextLinearAttention
+_PARENT_FORWARD = getattr(_BASE._forward, "__wrapped__", _BASE._forward)
 """vLLM's ``_forward`` without its capture-break decorator: ours already carries it."""
 
 _SPEC_ONLY_FIELDS = dict(
@@ -58,51 +47,36 @@ def _flat(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], -1)
 
 
-@contextmanager
-def _metadata_for(prefix: str, metadata: Any) -> Iterator[None]:
-    """Show ``metadata`` to the layer ``prefix`` for the duration of a call."""
-    table = get_forward_context().attn_metadata
-    assert isinstance(table, dict)
-    saved = table[prefix]
-    table[prefix] = metadata
-    try:
-        yield
-    finally:
-        table[prefix] = saved
-
-
-class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
+class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
     """GLM-5.3 KDA with speculative-state recovery (see the module docstring)."""
 
     use_recovery: bool = False
+    own_ops: bool = False
+    _merged_conv_weight: torch.Tensor | None
 
     def __init__(self, config: Any, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(config, vllm_config, prefix)
         self.use_recovery = recovery_enabled(vllm_config)
+        self.own_ops = not compat.platform_has_kda_kernels()
         # Triton on CUDA tensors, the PyTorch reference elsewhere; on SM12x with b12x the
         # group's commit context carries b12x's verify/commit and both run there.
         self.ops_backend = "auto"
         self._b12x_params: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.use_recovery:
+            rows = int(vllm_config.scheduler_config.max_num_seqs)
+            window = int(self.num_spec) + 1
+            h, d = self.local_num_heads, self.head_dim
+            # Buffers move with the model; non-persistent ones are neither loaded nor
+            # saved, and vLLM's dummy loader leaves them alone.
+            self.register_buffer(
+                "recovery_corrections",
+                torch.zeros(rows, h, window, d, dtype=torch.float32), persistent=False)
+            self.register_buffer(
+                "recovery_kg",
+                torch.zeros(rows, h, window, 2 * d, dtype=vllm_config.model_config.dtype),
+                persistent=False)
 
     # -- state layout ----------------------------------------------------------------
-    def get_state_shape(self) -> Any:
-        """Conv + checkpoint, plus the record tensors under recovery."""
-        base = super().get_state_shape()
-        if not self.use_recovery:
-            return base
-        return MambaStateShapeCalculator.append_kda_recoverssm_record(
-            cast(Any, base), self.num_heads, self.head_dim, self.tp_size, self.num_spec + 1
-        )
-
-    def get_state_dtype(self) -> Any:
-        """Dtypes matching :meth:`get_state_shape` (records: FP32, activation dtype)."""
-        base = super().get_state_dtype()
-        if not self.use_recovery:
-            return base
-        return MambaStateDtypeCalculator.append_kda_recoverssm_record(
-            base, self.model_config.dtype
-        )
-
     def get_kv_cache_spec(self, vllm_config: Any) -> Any:
         """One page per request under recovery: no speculative blocks."""
         spec = super().get_kv_cache_spec(vllm_config)
@@ -116,6 +90,12 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
             return RecoverKDAAttentionBackend
         return super().get_attn_backend()
 
+    def recovery_records(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scratch record buffers: corrections ``[rows, h, S+1, D]`` FP32 and raw
+        k|g ``[rows, h, S+1, 2D]`` (activation dtype)."""
+        return (cast(torch.Tensor, self.recovery_corrections),
+                cast(torch.Tensor, self.recovery_kg))
+
     def conv_state_dim_first_view(self, conv_state: torch.Tensor) -> torch.Tensor:
         """The conv state as ``[slots, dim, width]`` whatever vLLM's layout setting."""
         return conv_state if self._conv_state_dim_first else conv_state.transpose(-1, -2)
@@ -127,7 +107,7 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
                 [_flat(cast(torch.Tensor, m.weight))
                  for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0
             ).contiguous()
-        return self._merged_conv_weight
+        return cast(torch.Tensor, self._merged_conv_weight)
 
     def float_gate_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``A_log`` ``[h]`` and ``dt_bias`` ``[h, D]`` as float32 (built once: b12x binds
@@ -141,92 +121,81 @@ class RecoverGlm5NextLinearAttention(Glm5NextLinearAttention):
         return self._b12x_params
 
     # -- forward -----------------------------------------------------------------------
-    @eager_break_during_capture
+    @compat.eager_break_during_capture
     def _forward(self, qkv_proj_states: torch.Tensor, g1: torch.Tensor, beta: torch.Tensor,
                  core_attn_out: torch.Tensor) -> None:
-        meta = None
-        if self.use_recovery:
-            table = get_forward_context().attn_metadata
-            meta = table.get(self.prefix) if isinstance(table, dict) else None
+        meta = compat.forward_attn_metadata(self.prefix)
+        if meta is None:
+            return  # profile / warm-up runs without metadata, as in vLLM's layer
+        if self.own_ops:
+            self._forward_own_ops(meta, qkv_proj_states, g1, beta, core_attn_out)
+            return
         if (not isinstance(meta, RecoverKDAMetadata) or meta.num_spec_decodes == 0
                 or meta.spec_sequence_masks is None):
             _PARENT_FORWARD(self, qkv_proj_states, g1, beta, core_attn_out)
             return
         n = meta.num_actual_tokens
         ns_idx = meta.non_spec_token_indx
-        mixed = ns_idx is not None and ns_idx.numel() > 0
-        if mixed:
-            assert meta.spec_token_indx is not None
+        if ns_idx is not None and ns_idx.numel() > 0:
             s_idx = meta.spec_token_indx
-            out = self.verify_spec_rows(meta, qkv_proj_states.index_select(0, s_idx),
-                                        g1.index_select(1, s_idx), beta.index_select(1, s_idx))
+            assert s_idx is not None
+            out = recovery_rows(self, meta, qkv_proj_states.index_select(0, s_idx),
+                                g1.index_select(1, s_idx), beta.index_select(1, s_idx))
             core_attn_out[0].index_copy_(0, s_idx, out.to(core_attn_out.dtype))
-            ns_meta = dataclasses.replace(meta, num_actual_tokens=ns_idx.numel(),
+            ns_meta = dataclasses.replace(cast(Any, meta), num_actual_tokens=ns_idx.numel(),
                                           **_SPEC_ONLY_FIELDS)
             ns_out = core_attn_out.new_empty((1, ns_idx.numel(), *core_attn_out.shape[2:]))
-            with _metadata_for(self.prefix, ns_meta):
+            saved = compat.set_forward_attn_metadata(self.prefix, ns_meta)
+            try:
                 _PARENT_FORWARD(self, qkv_proj_states.index_select(0, ns_idx),
                                 g1.index_select(1, ns_idx), beta.index_select(1, ns_idx),
                                 ns_out)
+            finally:
+                compat.set_forward_attn_metadata(self.prefix, saved)
             core_attn_out[0].index_copy_(0, ns_idx, ns_out[0])
         else:
             # Every token belongs to a speculative row; tokens past the last row (graph
             # padding) belong to no row and come out as zeros, as in vLLM's own path.
-            out = self.verify_spec_rows(meta, qkv_proj_states[:n], g1[:, :n], beta[:, :n])
+            out = recovery_rows(self, meta, qkv_proj_states[:n], g1[:, :n], beta[:, :n])
             core_attn_out[0, :n] = out.to(core_attn_out.dtype)
 
-    def verify_spec_rows(self, meta: RecoverKDAMetadata, qkv: torch.Tensor,
-                         raw_g: torch.Tensor, raw_beta: torch.Tensor) -> torch.Tensor:
-        """Conv update + recovery verify of the speculative rows; returns ``[T, h, D]``.
-
-        ``qkv`` is ``[T, 3*h*D]`` (before the short conv), ``raw_g`` ``[1, T, h, D]`` and
-        ``raw_beta`` ``[1, T, h]`` (both raw, as the projections produce them).
-        """
-        conv_state, state, corrections, kg = self.kv_cache
-        h, d = self.local_num_heads, self.head_dim
-        # The checks that read device values would sync the host every layer and step;
-        # vLLM's metadata is trusted on the GPU, checked everywhere else.
-        check = not qkv.is_cuda
-        n = meta.num_spec_decodes
-        slots = meta.spec_slots().contiguous()
-        assert meta.spec_query_start_loc is not None
-        qsl = meta.spec_query_start_loc[: n + 1].to(torch.int32).contiguous()
-        conv_view = self.conv_state_dim_first_view(conv_state)
-        with dim_first_conv(conv_view, slots) as (conv, idx):
-            x = ops.conv_update(qkv.contiguous(), conv, self.merged_conv_weight(),
-                                self.q_conv1d.bias, idx, qsl, activation="silu",
-                                backend=self.ops_backend, validate=check)
-        q, k, v = (t.reshape(-1, h, d).contiguous()
-                   for t in x.split(self.local_projection_size, dim=-1))
-        b12x = meta.commit_context.b12x if meta.commit_context is not None else None
-        if b12x is not None:
-            a_log, dt_bias = self.float_gate_params()
-            return b12x.verify(
-                q, k, v, raw_g[0].reshape(-1, h, d).contiguous(),
-                raw_beta[0].reshape(-1, h).contiguous(), a_log, dt_bias, state, slots, qsl,
-                corrections, kg, lower_bound=self.kda_lower_bound, record_indices=slots,
-                validate=check,
-            )
-        return ops.verify_recovery(
-            q, k, v, raw_g[0].reshape(-1, h, d).contiguous(),
-            raw_beta[0].reshape(-1, h).contiguous(), self.A_log.reshape(h),
-            self.dt_bias.reshape(h, d), state, slots, qsl, corrections, kg,
-            lower_bound=self.kda_lower_bound, record_indices=slots,
-            backend=self.ops_backend, validate=check,
-        )
+    def _forward_own_ops(self, meta: Any, qkv: torch.Tensor, g1: torch.Tensor,
+                         beta: torch.Tensor, core_attn_out: torch.Tensor) -> None:
+        """Every row of the step with the project's ops (no vLLM KDA kernels here)."""
+        n = meta.num_actual_tokens
+        out = core_attn_out[0]
+        out[:n].zero_()  # tokens of no row (padding) come out as zeros
+        spec = meta.spec_sequence_masks is not None and meta.num_spec_decodes > 0
+        ns_idx = meta.non_spec_token_indx
+        if not spec:
+            t = int(meta.non_spec_query_start_loc[-1])
+            res = prompt_rows(self, meta, qkv[:t], g1[:, :t], beta[:, :t])
+            out[:t] = res.to(out.dtype)
+            return
+        spec_rows = recovery_rows if self.use_recovery else full_state_rows
+        mixed = ns_idx is not None and ns_idx.numel() > 0
+        if mixed:
+            s_idx = meta.spec_token_indx
+            assert s_idx is not None
+            res = spec_rows(self, meta, qkv.index_select(0, s_idx), g1.index_select(1, s_idx),
+                            beta.index_select(1, s_idx))
+            out.index_copy_(0, s_idx, res.to(out.dtype))
+            res = prompt_rows(self, meta, qkv.index_select(0, ns_idx),
+                              g1.index_select(1, ns_idx), beta.index_select(1, ns_idx))
+            out.index_copy_(0, ns_idx, res.to(out.dtype))
+        else:
+            t = int(meta.spec_query_start_loc[meta.num_spec_decodes])
+            res = spec_rows(self, meta, qkv[:t], g1[:, :t], beta[:, :t])
+            out[:t] = res.to(out.dtype)
 
 
 _registered = False
 
 
 def register_layer() -> None:
-    """Swap vLLM's GLM-5.3 KDA layer for the recovery one (idempotent)."""
+    """Swap vLLM's GLM-5.3 KDA layer for this one (idempotent)."""
     global _registered
     if _registered:
         return
-    from vllm.model_executor.custom_op import op_registry_oot
-
-    name = Glm5NextLinearAttention.__name__
-    if op_registry_oot.get(name) is not RecoverGlm5NextLinearAttention:
-        Glm5NextLinearAttention.register_oot(RecoverGlm5NextLinearAttention)
+    compat.register_oot_layer(_BASE, RecoverGlm5NextLinearAttention)
     _registered = True

@@ -1,0 +1,263 @@
+"""Every vLLM internal the plugin touches, for vLLM 0.32 and 0.33, in one place.
+
+The rest of the plugin imports vLLM only through this module, so what differs between
+versions is decided here and nowhere else. Names are resolved lazily (module
+``__getattr__``): importing the plugin costs nothing until a GLM-5.3 model is built.
+
+Differences that matter to the plugin (0.32.0 -> 0.33.0, read from both releases' Python
+sources):
+
+* 0.33 removed ``MambaStateShapeCalculator/MambaStateDtypeCalculator
+  .append_kda_recoverssm_record``; the plugin no longer needs them, since the update
+  records live in a per-layer scratch, not in the state pages.
+* Everything else the plugin calls has the same name and signature in both versions; the
+  V1 runner hook (:func:`install_v1_commit_hook`) checks the method it wraps at install
+  time, so a future change fails at start-up with a message, not mid-request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+"""Minor versions of vLLM this plugin supports (both inclusive)."""
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is outside the supported range, or lacks a hook we need."""
+
+
+_LAZY: dict[str, tuple[str, str]] = {
+    # models
+    "Glm5NextLinearAttention": ("vllm.models.glm5next.common.kda", "Glm5NextLinearAttention"),
+    "Glm5NextForCausalLM": ("vllm.models.glm5next.common.model", "Glm5NextForCausalLM"),
+    "Glm5NextForConditionalGeneration": (
+        "vllm.models.glm5next.common.model", "Glm5NextForConditionalGeneration"),
+    "eager_break_during_capture": (
+        "vllm.compilation.breakable_cudagraph", "eager_break_during_capture"),
+    "get_forward_context": ("vllm.forward_context", "get_forward_context"),
+    # attention metadata
+    "GDNAttentionBackend": ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionBackend"),
+    "GDNAttentionMetadata": ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadata"),
+    "GDNAttentionMetadataBuilder": (
+        "vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder"),
+    "RecoverSSMMetadata": (
+        "vllm.v1.attention.backends.recoverssm_metadata", "RecoverSSMMetadata"),
+    "RecoverSSMPostprocessMetadata": (
+        "vllm.v1.attention.backends.recoverssm_metadata", "RecoverSSMPostprocessMetadata"),
+    "NULL_BLOCK_ID": ("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID"),
+    # model runner V2 (GPU)
+    "MambaHybridModelState": (
+        "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState"),
+    "RecoverSSMState": ("vllm.v1.worker.gpu.model_states.recoverssm", "RecoverSSMState"),
+    # configuration
+    "EngineArgs": ("vllm.engine.arg_utils", "EngineArgs"),
+    "ModelRegistry": ("vllm", "ModelRegistry"),
+    "VllmConfig": ("vllm.config", "VllmConfig"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve one of the vLLM names listed in ``_LAZY`` on first use."""
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+# -- version -----------------------------------------------------------------------------
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``"0.32.0+cpu"`` -> ``(0, 32)``; raises ``ValueError`` for anything else."""
+    m = re.match(r"^\s*(\d+)\.(\d+)", text)
+    if m is None:
+        raise ValueError(f"cannot read a vLLM version from {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version string."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def check_supported_version(version: str | None = None) -> tuple[int, int]:
+    """Raise :class:`UnsupportedVllmError` unless vLLM (or ``version``) is supported."""
+    text = vllm_version() if version is None else version
+    lo, hi = SUPPORTED_VLLM
+    try:
+        parsed = parse_version(text)
+    except ValueError:
+        parsed = (-1, -1)
+    if not lo <= parsed <= hi:
+        raise UnsupportedVllmError(
+            f"vllm-recoverssm supports vLLM {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, but vLLM "
+            f"{text} is installed; install a supported vLLM (pip install "
+            f"'vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}') or leave the plugin out "
+            "(pip uninstall vllm-recoverssm, or VLLM_PLUGINS set to the plugins you want)"
+        )
+    return parsed
+
+
+# -- logging and platform ------------------------------------------------------------------
+
+def configure_vllm_logging() -> None:
+    """Import vLLM's logger module, which installs the ``vllm`` logger's handlers."""
+    import vllm.logger  # noqa: F401
+
+
+def vllm_logging_level() -> str:
+    """vLLM's ``VLLM_LOGGING_LEVEL`` setting."""
+    import vllm.envs as envs
+
+    return str(envs.VLLM_LOGGING_LEVEL)
+
+
+def kda_state_dtypes(vllm_config: Any) -> tuple[Any, Any]:
+    """The (conv, recurrent) state dtypes vLLM resolves for KDA layers of this config."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    cache = vllm_config.cache_config
+    return MambaStateDtypeCalculator.kda_state_dtype(  # type: ignore[no-any-return]
+        vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
+
+
+def current_platform() -> Any:
+    """vLLM's detected platform object."""
+    from vllm.platforms import current_platform as platform
+
+    return platform
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability, or None without a CUDA GPU."""
+    platform = current_platform()
+    if not platform.is_cuda():
+        return None
+    cap = platform.get_device_capability()
+    return None if cap is None else (int(cap.major), int(cap.minor))
+
+
+def platform_name() -> str:
+    """``"cuda"``, ``"cpu"`` or vLLM's name for another platform."""
+    platform = current_platform()
+    if platform.is_cuda():
+        return "cuda"
+    if platform.is_cpu():
+        return "cpu"
+    return str(getattr(platform, "device_type", "other"))
+
+
+def platform_has_kda_kernels() -> bool:
+    """Whether vLLM itself can run GLM-5.3's KDA prompt rows on this platform.
+
+    vLLM's KDA prefill and decode kernels are Triton/CUDA kernels (its
+    ``gather_initial_states`` asserts a CUDA or XPU tensor); its CPU platform has none.
+    """
+    platform = current_platform()
+    return bool(platform.is_cuda_alike() or platform.is_xpu())
+
+
+# -- layers and model registration -----------------------------------------------------------
+
+def register_model(architecture: str, target: str) -> None:
+    """Register (or override) ``architecture`` with the class at ``"module:Class"``."""
+    __getattr__("ModelRegistry").register_model(architecture, target)
+
+
+def register_oot_layer(base: Any, replacement: type) -> None:
+    """Make vLLM build ``replacement`` wherever it builds the pluggable layer ``base``."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    if op_registry_oot.get(base.__name__) is not replacement:
+        base.register_oot(replacement)
+
+
+def dummy_model_loader_cls() -> Any:
+    """vLLM's ``dummy`` load-format loader class."""
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    return DummyModelLoader
+
+
+def register_model_loader(load_format: str, loader_cls: type) -> None:
+    """Register ``loader_cls`` as vLLM's loader for ``--load-format load_format``."""
+    from vllm.model_executor.model_loader import register_model_loader as register
+
+    register(load_format)(loader_cls)
+
+
+def forward_attn_metadata(prefix: str) -> Any:
+    """The attention metadata vLLM's forward context holds for the layer ``prefix``."""
+    table = __getattr__("get_forward_context")().attn_metadata
+    return table.get(prefix) if isinstance(table, dict) else None
+
+
+def set_forward_attn_metadata(prefix: str, metadata: Any) -> Any:
+    """Replace the layer ``prefix``'s metadata in the forward context; returns the old."""
+    table = __getattr__("get_forward_context")().attn_metadata
+    assert isinstance(table, dict)
+    saved = table[prefix]
+    table[prefix] = metadata
+    return saved
+
+
+# -- model runner V1: the commit after sampling ------------------------------------------------
+
+V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+V1_HOOK = "_update_states_after_model_execute"
+"""The V1 runner method that runs right after sampling (``sample_tokens``), with the
+sampled tokens of every batch row (``-1`` past the accepted ones)."""
+_HOOKED = "_recoverssm_commit_hook"
+
+CommitAfterSampling = Callable[[Any, Any], None]
+"""``hook(runner, sampled_token_ids)``; called after vLLM's own post-sampling update."""
+
+
+def install_v1_commit_hook(hook: CommitAfterSampling) -> None:
+    """Run ``hook`` after the V1 model runner's post-sampling state update (idempotent).
+
+    vLLM's V1 runner has no model-state postprocess step (runner V2 has one, which the
+    plugin uses there); its ``_update_states_after_model_execute(output_token_ids,
+    scheduler_output)`` is where it settles hybrid models' speculative state after
+    sampling, so the commit goes right after it.
+    """
+    runner_cls: Any = getattr(importlib.import_module(V1_RUNNER[0]), V1_RUNNER[1])
+    current = getattr(runner_cls, V1_HOOK, None)
+    if current is None:
+        raise UnsupportedVllmError(
+            f"vLLM {vllm_version()}'s V1 model runner has no {V1_HOOK}(); vllm-recoverssm "
+            "cannot commit accepted state there"
+        )
+    if getattr(current, _HOOKED, None) is hook:
+        return
+    params = list(inspect.signature(current).parameters)
+    if params[:3] != ["self", "output_token_ids", "scheduler_output"]:
+        raise UnsupportedVllmError(
+            f"vLLM {vllm_version()}'s {V1_HOOK} takes {params}, not (self, "
+            "output_token_ids, scheduler_output); vllm-recoverssm cannot hook it"
+        )
+    original = getattr(current, "__wrapped__", current)
+
+    @functools.wraps(original)
+    def after_sampling(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
+        result = original(self, output_token_ids, scheduler_output)
+        hook(self, output_token_ids)
+        return result
+
+    setattr(after_sampling, _HOOKED, hook)
+    setattr(runner_cls, V1_HOOK, after_sampling)
+
+
+def runner_forward_context(runner: Any) -> dict[str, Any]:
+    """The layer table (``static_forward_context``) of a model runner's config."""
+    return runner.compilation_config.static_forward_context  # type: ignore[no-any-return]

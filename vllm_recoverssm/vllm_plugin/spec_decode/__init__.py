@@ -1,0 +1,1 @@
+"""Drafters the plugin provides to vLLM's speculative decoding (``custom_class``)."""

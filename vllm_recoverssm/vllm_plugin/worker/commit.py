@@ -1,0 +1,57 @@
+"""The commit after sampling under vLLM's model runner V1.
+
+Runner V2 commits through its model state (:mod:`.model_state`). Runner V1 (the one
+vLLM's CPU platform, and CUDA without ``VLLM_USE_V2_MODEL_RUNNER``, run) has no such
+step, so the plugin hooks the method it runs right after sampling
+(:func:`..compat.install_v1_commit_hook`) and commits there, in the same step:
+
+* the verify records live in a scratch indexed by the step's speculative row, so they
+  are consumed before the next step overwrites them;
+* a request that vLLM does not schedule in the next step (token budget, preemption,
+  finishing) keeps a committed checkpoint. A commit deferred to the request's next step
+  could not do that: runner V1 re-adds such a request with its accepted count reset to 1
+  (``InputBatch.add_request``), so the count the commit needs would be lost;
+* a request-boundary export that reads the state after the step sees it committed, with
+  zero speculative offset.
+
+Each KV-cache group's :class:`~..attention.recover_kda.RecoveryCommitContext` registers
+itself here when its builder is created (in the worker, after the runner module is
+loaded); the hook finds the contexts of the runner that sampled through the runner's layer
+table.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import compat
+
+if TYPE_CHECKING:
+    from ..attention.recover_kda import RecoveryCommitContext
+
+_contexts: weakref.WeakSet[RecoveryCommitContext] = weakref.WeakSet()
+
+
+def register_commit_context(context: RecoveryCommitContext) -> None:
+    """Commit ``context``'s steps after sampling under runner V1 (installs the hook)."""
+    _contexts.add(context)
+    compat.install_v1_commit_hook(commit_after_sampling)
+
+
+def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:
+    """Tokens sampled per batch row (accepted drafts + 1): vLLM pads rows with -1."""
+    return (sampled_token_ids != -1).sum(dim=1).to(torch.int32)
+
+
+def commit_after_sampling(runner: Any, sampled_token_ids: torch.Tensor) -> None:
+    """Commit every recovery group of ``runner``'s model for the step just sampled."""
+    table = compat.runner_forward_context(runner)
+    mine = [c for c in list(_contexts) if c.forward_context is table]
+    if not mine:
+        return
+    num_sampled = sampled_counts(sampled_token_ids)
+    for context in mine:
+        context.commit_step(num_sampled)
