@@ -261,3 +261,39 @@ def install_v1_commit_hook(hook: CommitAfterSampling) -> None:
 def runner_forward_context(runner: Any) -> dict[str, Any]:
     """The layer table (``static_forward_context``) of a model runner's config."""
     return runner.compilation_config.static_forward_context  # type: ignore[no-any-return]
+
+
+# -- the offline engine's allocation (tests and demos, in-process engine core) ------------------
+
+def kv_allocation(llm: Any) -> dict[str, Any]:
+    """State memory of an in-process ``vllm.LLM`` as its engine allocated it.
+
+    Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core lives in this process).
+    Covers the KV-cache group(s) of the model's KDA layers: blocks, bytes, blocks one
+    request reserves (``MambaSpec.max_memory_usage_bytes`` over its page), vLLM's maximum
+    concurrency, and the recovery record scratch the layers hold.
+    """
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    core = llm.llm_engine.engine_core.engine_core
+    kv_config = core.scheduler.kv_cache_config
+    vllm_config = llm.llm_engine.vllm_config
+    allocated = sum(int(t.size) for t in kv_config.kv_cache_tensors)
+    per_block = allocated // kv_config.num_blocks
+    blocks = 0
+    for group in kv_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        blocks = max(blocks, spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+    runner = core.model_executor.driver_worker.worker.model_runner
+    scratch = 0
+    for layer in runner.compilation_config.static_forward_context.values():
+        records = getattr(layer, "recovery_records", None)
+        if callable(records) and getattr(layer, "use_recovery", False):
+            scratch += sum(int(t.nbytes) for t in records())
+    return dict(
+        num_blocks=int(kv_config.num_blocks), allocated_bytes=allocated,
+        bytes_per_block=per_block, blocks_per_request=int(blocks),
+        state_bytes_per_request=per_block * int(blocks),
+        max_concurrency=float(get_max_concurrency_for_kv_cache_config(vllm_config, kv_config)),
+        scratch_bytes=scratch,
+    )

@@ -1,0 +1,63 @@
+"""Engine-test helpers: prompts, the oracle file, and a pair of engines (recovery on/off).
+
+Each engine is vLLM's real ``LLM`` in a process of its own
+(:func:`vllm_recoverssm.vllm_plugin.run_engine.run_in_subprocess`): one engine per
+process is a limit of vLLM's CPU platform.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_recoverssm.vllm_plugin.run_engine import EngineReport, EngineRun, run_in_subprocess
+from vllm_recoverssm.vllm_plugin.spec_decode.oracle import write_oracle
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT_LENGTHS = (5, 90, 17, 41, 3, 64)
+"""Two prompts longer than a 32-token chunk, one shorter than any window."""
+MAX_TOKENS = 24
+CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=4)
+"""Four rows at a time and 32-token chunks: prompt chunks and verify rows share steps."""
+
+
+def prompts(seed: int = 0, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
+    """Random token-id prompts (the tiny model's vocabulary is 512)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 511) for _ in range(n)] for n in lengths]
+
+
+def environment() -> dict[str, str]:
+    """This checkout first on the engine process's path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_engine(spec: EngineRun, workdir: Path) -> EngineReport:
+    """One engine, in a fresh process."""
+    return run_in_subprocess(spec, workdir, env=environment())
+
+
+@dataclass
+class Pair:
+    """The same run with recovery forced on and turned off."""
+
+    on: EngineReport
+    off: EngineReport
+
+
+def run_pair(workdir: Path, **spec: Any) -> Pair:
+    """Run ``EngineRun(**spec)`` with ``mode`` on and off."""
+    return Pair(on=run_engine(EngineRun(mode="on", **spec), workdir),
+                off=run_engine(EngineRun(mode="off", **spec), workdir))
+
+
+def oracle_file(path: Path, prompt_list: list[list[int]], continuations: list[list[int]],
+                corrupt: float) -> str:
+    """An oracle file drafting ``continuations`` with a share ``corrupt`` of wrong drafts."""
+    return str(write_oracle(path, [(p + c, corrupt) for p, c in zip(prompt_list,
+                                                                   continuations, strict=True)]))

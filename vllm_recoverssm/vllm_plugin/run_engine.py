@@ -1,0 +1,248 @@
+"""Run vLLM's offline engine (``LLM``) once and report what a user would compare.
+
+``python -m vllm_recoverssm.vllm_plugin.run_engine SPEC.json REPORT.json`` builds one
+``vllm.LLM`` from the spec (:class:`EngineRun`), generates greedily from token-id prompts
+and writes a :class:`EngineReport`: the output tokens, draft acceptance from vLLM's own
+spec-decode counters, preemptions, tokens/s, the recovery decision the plugin logged, and
+the state memory read from vLLM's KV-cache allocation (blocks, bytes per block, blocks per
+request, vLLM's own maximum-concurrency figure, the record scratch the layers allocated).
+
+One engine per process: vLLM's CPU platform registers its kernel overrides once per
+process, and a second ``LLM`` in the same process fails there. ``recoverssm demo --engine
+vllm`` and the engine tests start this module once per engine (:func:`run_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MODULE = "vllm_recoverssm.vllm_plugin.run_engine"
+
+
+class EngineRun(BaseModel):
+    """One engine run: model, recovery mode, drafter, prompts and engine arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="model directory")
+    mode: Literal["auto", "on", "off"]
+    num_spec: int = Field(ge=1, le=7)
+    drafter: Literal["oracle", "ngram"] = "oracle"
+    oracle: str | None = Field(default=None, description="oracle file (drafter 'oracle')")
+    prompts: list[list[int]] = Field(min_length=1, max_length=4096)
+    max_tokens: int = Field(ge=1, le=65536)
+    engine: dict[str, Any] = Field(default_factory=dict, description="more LLM(...) kwargs")
+    preempt_after_steps: int | None = Field(
+        default=None, ge=1,
+        description="preempt every running request once, after this many engine steps")
+
+
+class KVReport(BaseModel):
+    """State memory as vLLM allocated it."""
+
+    num_blocks: int
+    allocated_bytes: int
+    bytes_per_block: int
+    """All KDA layers' pages of one block."""
+    blocks_per_request: int
+    state_bytes_per_request: int
+    max_concurrency: float
+    """vLLM's own figure for ``max_model_len``-token requests."""
+    scratch_bytes: int
+    """The recovery record scratch of all layers (0 with full states)."""
+
+
+class EngineReport(BaseModel):
+    """What one engine run produced."""
+
+    vllm_version: str
+    mode: str
+    recovery: bool
+    decision: list[str]
+    """The decision lines the plugin logged (filled from the process's log)."""
+    outputs: list[list[int]]
+    num_cached_tokens: list[int]
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    preemptions: int
+    generated_tokens: int
+    seconds: float
+    kv: KVReport
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens over proposed draft tokens (0 when none were proposed)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of generation (start-up excluded)."""
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def engine_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a CPU engine process runs in.
+
+    * in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): this process reads
+      the allocation;
+    * ``VLLM_MLA_DISABLE=1``: vLLM's CPU platform turns chunked prefill and prefix caching
+      off for any model whose config names MLA ranks; the tiny model has no MLA layer;
+    * OpenMP bound to one core unless set: the KDA ops run small per-token tensor ops, and
+      two OpenMP threads on a two-core machine slow them ten times once anything else runs.
+    """
+    env = dict(os.environ if base is None else base)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_MLA_DISABLE", "1")
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(min(os.sched_getaffinity(0)))
+    return env
+
+
+def llm_kwargs(run: EngineRun) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments for ``run``."""
+    from .model_loader import LOAD_FORMAT
+    from .spec_decode.oracle import CLASS_PATH, CONFIG_KEY
+
+    extra: dict[str, Any] = {"recoverssm": run.mode}
+    if run.drafter == "oracle":
+        spec: dict[str, Any] = {"method": "custom_class", "model": CLASS_PATH,
+                                "num_speculative_tokens": run.num_spec}
+        if run.oracle:
+            extra[CONFIG_KEY] = {"path": run.oracle}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": run.num_spec,
+                "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    kwargs: dict[str, Any] = dict(
+        model=run.model, load_format=LOAD_FORMAT, dtype="bfloat16", skip_tokenizer_init=True,
+        enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, max_num_seqs=8,
+        disable_log_stats=False, speculative_config=spec, additional_config=extra,
+    )
+    kwargs.update(run.engine)
+    return kwargs
+
+
+DECISION_MARK = "vllm-recoverssm: recovery:"
+
+
+def decision_lines(log: str) -> list[str]:
+    """The recovery decisions the plugin logged, each with its indented reason lines.
+
+    vLLM's formatter repeats a record's header (process, level, time, source) on every
+    line of a multi-line message; continuation lines carry that header and then spaces.
+    """
+    out: list[str] = []
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        at = line.find(DECISION_MARK)
+        if at < 0:
+            continue
+        header = line[:at]
+        block = [line[at:]]
+        for follow in lines[i + 1:]:
+            rest = follow[len(header):]
+            if not header or not follow.startswith(header) or not rest.startswith(" "):
+                break
+            block.append(rest.strip())
+        out.append("\n".join(block))
+    return out
+
+
+def _metric(metrics: list[Any], name: str) -> int:
+    for m in metrics:
+        if m.name == name and hasattr(m, "value"):
+            return int(m.value)
+    return 0
+
+
+def _generate(llm: Any, run: EngineRun, params: Any) -> list[Any]:
+    prompts = [{"prompt_token_ids": p} for p in run.prompts]
+    if run.preempt_after_steps is None:
+        return list(llm.generate(prompts, params, use_tqdm=False))
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if steps == run.preempt_after_steps:
+            engine.reset_prefix_cache(reset_running_requests=True)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def run(run: EngineRun) -> EngineReport:
+    """Build the engine, generate, and report (call in a process of its own)."""
+    from vllm import LLM, SamplingParams
+
+    from . import compat
+    from .config import recovery_enabled
+
+    llm = LLM(**llm_kwargs(run))
+    params = SamplingParams(max_tokens=run.max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = _generate(llm, run, params)
+    seconds = time.perf_counter() - start
+    metrics = llm.get_metrics()
+    return EngineReport(
+        vllm_version=compat.vllm_version(), mode=run.mode,
+        recovery=recovery_enabled(llm.llm_engine.vllm_config), decision=[],
+        outputs=[list(o.outputs[0].token_ids) for o in outs],
+        num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],
+        drafts=_metric(metrics, "vllm:spec_decode_num_drafts"),
+        draft_tokens=_metric(metrics, "vllm:spec_decode_num_draft_tokens"),
+        accepted_tokens=_metric(metrics, "vllm:spec_decode_num_accepted_tokens"),
+        preemptions=_metric(metrics, "vllm:num_preemptions"),
+        generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), seconds=seconds,
+        kv=KVReport(**compat.kv_allocation(llm)),
+    )
+
+
+def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
+                      env: dict[str, str] | None = None) -> EngineReport:
+    """Run ``spec`` in a fresh Python process; raises ``RuntimeError`` with its log tail."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    stem = f"run-{time.monotonic_ns()}"
+    spec_path, report_path = workdir / f"{stem}.json", workdir / f"{stem}.report.json"
+    spec_path.write_text(spec.model_dump_json())
+    proc = subprocess.run(
+        [sys.executable, "-m", MODULE, str(spec_path), str(report_path)],
+        env=engine_environment(env), capture_output=True, text=True, timeout=timeout,
+    )
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0 or not report_path.exists():
+        tail = "\n".join(log.splitlines()[-40:])
+        raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{tail}")
+    report = EngineReport.model_validate_json(report_path.read_text())
+    report.decision = decision_lines(log)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ... SPEC REPORT``: run one engine and write its report."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(f"usage: python -m {MODULE} SPEC.json REPORT.json", file=sys.stderr)
+        return 2
+    spec = EngineRun.model_validate(json.loads(Path(args[0]).read_text()))
+    report = run(spec)
+    Path(args[1]).write_text(report.model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":
+    for key, value in engine_environment().items():
+        os.environ.setdefault(key, value)
+    raise SystemExit(main())
