@@ -11,6 +11,7 @@ Batches mix prompt chunks (32-token chunked prefill) and verify rows.
 from __future__ import annotations
 
 from pathlib import Path
+
 import pytest
 
 from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
