@@ -64,9 +64,11 @@ install-b12x: $(VENV)/.b12x-installed
 demo: venv
 	$(VENV)/bin/recoverssm demo
 
-# The test suite (CPU; Triton kernels run under the interpreter at tiny shapes).
-test: venv install-lmcache install-vllm install-b12x
+# The test suite (CPU; Triton kernels run under the interpreter at tiny shapes): everything
+# on vLLM 0.32 (the CPU build), then the vLLM-marked tests again on vLLM 0.33.
+test: venv install-lmcache install-vllm install-b12x install-vllm033
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
+	TRITON_INTERPRET=1 $(VENV033)/bin/python -m pytest -q -m "vllm and not gpu" tests
 
 # GPU tests (run on a machine with a CUDA GPU, without the interpreter).
 test-gpu:

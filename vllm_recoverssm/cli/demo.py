@@ -18,6 +18,7 @@ import sys
 import time
 from typing import TextIO
 
+import pydantic
 import torch
 
 from vllm_recoverssm.reference.demo import (
@@ -40,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="reference: the project's decode loop (default); vllm: the tiny "
+                        "GLM-5.3 through vLLM's own LLM engine with the plugin, both modes "
+                        "(needs vLLM; --requests, --max-new-tokens, --num-spec, "
+                        "--acceptance, --seed, --json apply)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run (default: cuda when present, else cpu)")
     p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
@@ -207,8 +213,54 @@ def format_checkpoints(report: DemoReport) -> list[str]:
     return lines
 
 
+ENGINE_DEMO_FLAGS = {"num_requests": "--requests", "max_new_tokens": "--max-new-tokens",
+                     "num_spec": "--num-spec", "acceptance": "--acceptance", "seed": "--seed"}
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: the plugin inside vLLM's engine, recovery against full states."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("argument '--engine vllm': vLLM is not installed here (make "
+                         "install-vllm installs its CPU build)")
+    from vllm_recoverssm.vllm_plugin.engine_demo import (
+        EngineDemoOptions,
+        format_engine_report,
+        run_engine_demo,
+    )
+
+    fields: dict[str, object] = dict(num_spec=args.num_spec, acceptance=args.acceptance,
+                                     seed=args.seed)
+    if args.requests is not None:
+        fields["num_requests"] = args.requests
+    if args.max_new_tokens is not None:
+        fields["max_new_tokens"] = args.max_new_tokens
+    try:
+        options = EngineDemoOptions.model_validate(fields)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        flag = ENGINE_DEMO_FLAGS.get(str(err["loc"][0]), str(err["loc"][0]))
+        raise ValueError(f"argument '{flag}': {err['msg']}, got {err.get('input')!r}") from None
+    started = time.monotonic()
+
+    def progress(message: str) -> None:
+        if not args.no_progress:
+            print(f"demo: engine {message} ({time.monotonic() - started:.0f}s)",
+                  file=sys.stderr, flush=True)
+
+    report = run_engine_demo(options, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_dict(), sort_keys=True))
+    else:
+        print(format_engine_report(report))
+    return 0 if report.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when the outputs match and the bytes agree with the planner."""
+    if args.engine == "vllm":
+        return run_vllm(args)
     if args.threads < 1:
         raise ValueError(f"argument '--threads': expected >= 1, got {args.threads}")
     options = DemoOptions(
