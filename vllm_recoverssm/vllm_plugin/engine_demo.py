@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -27,7 +27,8 @@ from .run_engine import EngineReport, EngineRun, run_in_subprocess
 from .spec_decode.oracle import write_oracle
 from .tiny_model import tiny_glm53_config, write_tiny_glm53
 
-MODES = {"recovery": "on", "full_state": "off"}
+RecoveryFlag = Literal["on", "off"]
+MODES: dict[str, RecoveryFlag] = {"recovery": "on", "full_state": "off"}
 TITLES = {"recovery": "recovery", "full_state": "full-state"}
 
 
@@ -120,7 +121,7 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
         root = Path(tmp) if workdir is None else workdir
         model = str(write_tiny_glm53(root / "tiny-glm53"))
 
-        def spec(mode: str, oracle: str | None) -> EngineRun:
+        def spec(mode: RecoveryFlag, oracle: str | None) -> EngineRun:
             return EngineRun(model=model, mode=mode, num_spec=options.num_spec,
                              oracle=oracle, prompts=prompts,
                              max_tokens=options.max_new_tokens, engine=engine)
