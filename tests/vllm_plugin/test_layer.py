@@ -191,3 +191,111 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
     torch.testing.assert_close(layer.kv_cache[0], conv)
     assert not torch.equal(layer.kv_cache[0][4], conv0[4])  # the window advanced
     torch.testing.assert_close(layer.kv_cache[0][0], conv0[0])  # null block untouched
+
+
+def _prompt_meta(qsl: list[int], slots: list[int], has_state: list[bool]) -> Any:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    t = qsl[-1]
+    return GDNAttentionMetadata(
+        num_prefills=len(slots), num_prefill_tokens=t, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=t,
+        has_initial_state=torch.tensor(has_state),
+        non_spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("recovery", [True, False], ids=["recovery", "full-state"])
+def test_prompt_rows_run_the_reference_prefill_from_zero_or_the_slot(
+    build_config: Any, distributed: None, recovery: bool
+) -> None:
+    """A first chunk starts from zeros whatever the slot held; a later chunk continues."""
+    from vllm.forward_context import set_forward_context
+
+    cfg = build_config(*MTP3)
+    layer = make_layer(cfg, recovery=recovery)
+    assert layer.own_ops  # vLLM's CPU platform has no KDA kernels
+    bind_pages(layer, cfg, 6)
+    h, d = LINEAR_HEADS, HEAD_DIM
+    gen = torch.Generator().manual_seed(13)
+    T = 9
+    qkv = torch.randn(T, 3 * h * d, generator=gen).to(torch.bfloat16)
+    g1 = torch.randn(1, T, h, d, generator=gen).to(torch.bfloat16)
+    beta = torch.randn(1, T, h, generator=gen).to(torch.bfloat16)
+    conv0, state0 = layer.kv_cache[0].clone(), layer.kv_cache[1].clone()
+    meta = _prompt_meta([0, 5, 9], [3, 4], [False, True])  # row 0 fresh, row 1 continues
+    out = torch.zeros(1, T, h, d, dtype=torch.bfloat16)
+    with set_forward_context({layer.prefix: meta}, cfg):
+        layer._forward(qkv, g1, beta, out)
+
+    weight = layer.merged_conv_weight()
+    a_log, dt = layer.A_log.detach().reshape(h), layer.dt_bias.detach().reshape(h, d)
+    for row, (lo, hi, slot, fresh) in enumerate([(0, 5, 3, True), (5, 9, 4, False)]):
+        conv = torch.zeros_like(conv0[slot:slot + 1]) if fresh else conv0[slot:slot + 1].clone()
+        state = torch.zeros_like(state0[slot:slot + 1]) if fresh else state0[
+            slot:slot + 1].clone()
+        qsl = torch.tensor([0, hi - lo], dtype=torch.int32)
+        idx = torch.tensor([0], dtype=torch.int32)
+        view = conv.transpose(-1, -2).contiguous()
+        x = ops.conv_prefill(qkv[lo:hi], view, weight, None, idx, qsl)
+        q, k, v = (t.reshape(-1, h, d).contiguous() for t in x.split(h * d, dim=-1))
+        want = ops.prefill(q, k, v, g1[0, lo:hi].contiguous(), beta[0, lo:hi].contiguous(),
+                           a_log, dt, state, idx, qsl, -5.0, out_dtype=torch.bfloat16)
+        assert torch.equal(out[0, lo:hi], want), row
+        assert torch.equal(layer.kv_cache[1][slot], state[0]), row
+        assert torch.equal(layer.conv_state_dim_first_view(layer.kv_cache[0])[slot, :, :3],
+                           view[0, :, :3]), row
+    torch.testing.assert_close(layer.kv_cache[1][5], state0[5])  # untouched block
+
+
+def test_on_cuda_prompt_rows_go_to_vllms_kernels_with_a_two_tensor_page(
+    build_config: Any, distributed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where vLLM has KDA kernels the layer keeps them for the non-speculative rows: they
+    get metadata without speculative rows and vLLM's own two-tensor page."""
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    from vllm_recoverssm.vllm_plugin.attention.recover_kda import RecoverKDAMetadata
+    from vllm_recoverssm.vllm_plugin.models.glm5next import kda as plugin_kda
+
+    cfg = build_config(*MTP3)
+    layer = make_layer(cfg, recovery=True)
+    layer.own_ops = False  # as on CUDA
+    bind_pages(layer, cfg, 6)
+    calls: list[Any] = []
+
+    def vllm_forward(self: Any, qkv: Any, g1: Any, beta: Any, out: Any) -> None:
+        meta = get_forward_context().attn_metadata[self.prefix]
+        conv, state = self.kv_cache  # vLLM's unpack of the page
+        calls.append((meta.num_spec_decodes, meta.spec_state_indices_tensor, qkv.shape[0]))
+        out.fill_(7)
+
+    monkeypatch.setattr(plugin_kda, "_PARENT_FORWARD", vllm_forward)
+    h, d = LINEAR_HEADS, HEAD_DIM
+    n_spec, n_ns = S + 1, 5
+    T = n_spec + n_ns
+    gen = torch.Generator().manual_seed(17)
+    qkv = torch.randn(T, 3 * h * d, generator=gen).to(torch.bfloat16)
+    g1 = torch.randn(1, T, h, d, generator=gen).to(torch.bfloat16)
+    beta = torch.randn(1, T, h, generator=gen).to(torch.bfloat16)
+    meta = RecoverKDAMetadata(
+        num_prefills=1, num_prefill_tokens=n_ns, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=1, num_spec_decode_tokens=n_spec, num_actual_tokens=T,
+        spec_query_start_loc=torch.tensor([0, n_spec], dtype=torch.int32),
+        spec_state_indices_tensor=torch.tensor([[2]], dtype=torch.int32),
+        spec_sequence_masks=torch.tensor([True, False]),
+        spec_token_indx=torch.arange(n_spec, dtype=torch.int32),
+        non_spec_token_indx=torch.arange(n_spec, T, dtype=torch.int32),
+        num_accepted_tokens=torch.ones(1, dtype=torch.int32),
+        non_spec_query_start_loc=torch.tensor([0, n_ns], dtype=torch.int32),
+        non_spec_state_indices_tensor=torch.tensor([3], dtype=torch.int32),
+        has_initial_state=torch.tensor([False]),
+    )
+    out = torch.zeros(1, T, h, d, dtype=torch.bfloat16)
+    with set_forward_context({layer.prefix: meta}, cfg):
+        layer._forward(qkv, g1, beta, out)
+        assert get_forward_context().attn_metadata[layer.prefix] is meta  # restored
+    assert calls == [(0, None, n_ns)]
+    assert bool((out[0, n_spec:] == 7).all())  # vLLM's rows
+    assert not bool((out[0, :n_spec] == 7).any()) and out[0, :n_spec].abs().sum() > 0

@@ -141,7 +141,7 @@ class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
             assert s_idx is not None
             out = recovery_rows(self, meta, qkv_proj_states.index_select(0, s_idx),
                                 g1.index_select(1, s_idx), beta.index_select(1, s_idx))
-            core_attn_out[0].index_copy_(0, s_idx, out.to(core_attn_out.dtype))
+            core_attn_out[0].index_copy_(0, s_idx.long(), out.to(core_attn_out.dtype))
             ns_meta = dataclasses.replace(cast(Any, meta), num_actual_tokens=ns_idx.numel(),
                                           **_SPEC_ONLY_FIELDS)
             ns_out = core_attn_out.new_empty((1, ns_idx.numel(), *core_attn_out.shape[2:]))
@@ -152,7 +152,7 @@ class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
                                 ns_out)
             finally:
                 compat.set_forward_attn_metadata(self.prefix, saved)
-            core_attn_out[0].index_copy_(0, ns_idx, ns_out[0])
+            core_attn_out[0].index_copy_(0, ns_idx.long(), ns_out[0])
         else:
             # Every token belongs to a speculative row; tokens past the last row (graph
             # padding) belong to no row and come out as zeros, as in vLLM's own path.
@@ -179,10 +179,10 @@ class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
             assert s_idx is not None
             res = spec_rows(self, meta, qkv.index_select(0, s_idx), g1.index_select(1, s_idx),
                             beta.index_select(1, s_idx))
-            out.index_copy_(0, s_idx, res.to(out.dtype))
+            out.index_copy_(0, s_idx.long(), res.to(out.dtype))
             res = prompt_rows(self, meta, qkv.index_select(0, ns_idx),
                               g1.index_select(1, ns_idx), beta.index_select(1, ns_idx))
-            out.index_copy_(0, ns_idx, res.to(out.dtype))
+            out.index_copy_(0, ns_idx.long(), res.to(out.dtype))
         else:
             t = int(meta.spec_query_start_loc[meta.num_spec_decodes])
             res = spec_rows(self, meta, qkv[:t], g1[:, :t], beta[:, :t])
