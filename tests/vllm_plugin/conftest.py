@@ -145,3 +145,15 @@ def recording_b12x(num_heads: int, num_spec: int, max_seqs: int = 8) -> Any:
             commit(*args, **kwargs, backend="reference")
 
     return RecordingB12x()
+
+
+@pytest.fixture(scope="session")
+def cold_run(vllm_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny all-KDA GLM-5.3 and its greedy continuations from vLLM's engine (one
+    engine run, shared by the engine tests)."""
+    from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_glm53
+
+    from .engine import ColdRun
+
+    model = write_tiny_glm53(tmp_path_factory.mktemp("tiny-glm53"))
+    return ColdRun(str(model), tmp_path_factory.mktemp("engine-runs"))

@@ -61,3 +61,19 @@ def oracle_file(path: Path, prompt_list: list[list[int]], continuations: list[li
     """An oracle file drafting ``continuations`` with a share ``corrupt`` of wrong drafts."""
     return str(write_oracle(path, [(p + c, corrupt) for p, c in zip(prompt_list,
                                                                    continuations, strict=True)]))
+
+
+class ColdRun:
+    """The shared first engine: full states, every draft wrong (no oracle file)."""
+
+    def __init__(self, model: str, workdir: Path) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.spec = dict(model=model, num_spec=3, prompts=prompts(), max_tokens=MAX_TOKENS,
+                         engine=CHUNKED)
+        self.report = run_engine(EngineRun(mode="off", **self.spec), workdir)
+
+    @property
+    def continuations(self) -> list[list[int]]:
+        """The model's greedy continuations of :func:`prompts`."""
+        return self.report.outputs

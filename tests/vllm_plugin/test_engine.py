@@ -15,30 +15,36 @@ from pathlib import Path
 import pytest
 
 from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
-from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_glm53
 
-from .engine import CHUNKED, MAX_TOKENS, Pair, oracle_file, prompts, run_engine, run_pair
+from .engine import (
+    CHUNKED,
+    MAX_TOKENS,
+    ColdRun,
+    Pair,
+    oracle_file,
+    prompts,
+    run_engine,
+    run_pair,
+)
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(write_tiny_glm53(tmp_path_factory.mktemp("tiny-glm53")))
+def model(cold_run: ColdRun) -> str:
+    return cold_run.model
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-runs")
+def workdir(cold_run: ColdRun) -> Path:
+    return cold_run.workdir
 
 
 @pytest.fixture(scope="module")
-def continuations(model: str, workdir: Path) -> list[list[int]]:
+def continuations(cold_run: ColdRun) -> list[list[int]]:
     """The model's greedy continuations: full states, every draft wrong (no oracle)."""
-    report = run_engine(EngineRun(model=model, mode="off", num_spec=3, prompts=prompts(),
-                                  max_tokens=MAX_TOKENS, engine=CHUNKED), workdir)
-    assert report.accepted_tokens == 0 and report.draft_tokens > 0
-    return report.outputs
+    assert cold_run.report.accepted_tokens == 0 and cold_run.report.draft_tokens > 0
+    return cold_run.continuations
 
 
 def assert_same_tokens(pair: Pair, same_schedule: bool = True) -> None:
@@ -50,12 +56,29 @@ def assert_same_tokens(pair: Pair, same_schedule: bool = True) -> None:
             pair.off.draft_tokens, pair.off.accepted_tokens)
 
 
+def check_decisions(pair: Pair) -> None:
+    for report in (pair.on, pair.off):
+        # the decision is logged once, with its reason
+        assert len(report.decision) == 1, report.decision
+    assert "recovery: on [mode on]" in pair.on.decision[0]
+    assert "one checkpoint per request and layer" in pair.on.decision[0]
+    assert "recovery: off" in pair.off.decision[0]
+
+
+def test_no_draft_accepted_recovery_matches_full_state(cold_run: ColdRun) -> None:
+    """~0% acceptance: every window falls back to its first token (drafts all wrong)."""
+    pair = Pair(on=run_engine(EngineRun(mode="on", **cold_run.spec), cold_run.workdir),
+                off=cold_run.report)
+    assert_same_tokens(pair)
+    assert pair.on.accepted_tokens == 0
+    check_decisions(pair)
+
+
 @pytest.mark.parametrize("num_spec, corrupt, low, high", [
     (1, 0.0, 0.9, 1.0),    # ~100% acceptance, the smallest window
     (3, 0.3, 0.25, 0.75),  # ~50%: windows cut at every position
     (7, 0.0, 0.9, 1.0),    # ~100% with the widest window (8 tokens)
-    (3, 1.0, 0.0, 0.05),   # ~0%: every window falls back to its first token
-], ids=["S1-all", "S3-half", "S7-all", "S3-none"])
+], ids=["S1-all", "S3-half", "S7-all"])
 def test_recovery_matches_full_state_token_for_token(
     model: str, workdir: Path, continuations: list[list[int]], num_spec: int,
     corrupt: float, low: float, high: float,
@@ -68,12 +91,7 @@ def test_recovery_matches_full_state_token_for_token(
     assert_same_tokens(pair)
     assert pair.on.outputs == continuations
     assert low <= pair.on.acceptance <= high, pair.on.acceptance
-    for report in (pair.on, pair.off):
-        # the decision is logged once, with its reason
-        assert len(report.decision) == 1, report.decision
-    assert "recovery: on [mode on]" in pair.on.decision[0]
-    assert "one checkpoint per request and layer" in pair.on.decision[0]
-    assert "recovery: off" in pair.off.decision[0]
+    check_decisions(pair)
 
 
 def test_preemption_under_a_tiny_cache_budget_and_the_state_blocks_vllm_allocates(

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from vllm_recoverssm.vllm_plugin.model_loader import LOAD_FORMAT
-from vllm_recoverssm.vllm_plugin.run_engine import EngineRun, decision_lines
+from vllm_recoverssm.vllm_plugin.run_engine import decision_lines
 from vllm_recoverssm.vllm_plugin.spec_decode.oracle import CLASS_PATH, CONFIG_KEY
-from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_glm53
 
-from .engine import CHUNKED, MAX_TOKENS, oracle_file, prompts, run_engine
+from .engine import MAX_TOKENS, ColdRun, oracle_file, prompts
 from .serve import metric_label, metric_value, vllm_serve
 
 pytestmark = pytest.mark.vllm
@@ -35,13 +34,12 @@ def serve_args(oracle: str, recovery_flag: str) -> list[str]:
 
 
 def test_vllm_serve_recovery_and_full_state_answer_the_same_tokens(
-    tmp_path: Path,
+    tmp_path: Path, cold_run: ColdRun,
 ) -> None:
-    model = str(write_tiny_glm53(tmp_path / "tiny-glm53"))
-    p = prompts(seed=1)
+    model = cold_run.model
+    p = prompts()
     # the model's continuations, from the offline engine with the same settings
-    cold = run_engine(EngineRun(model=model, mode="off", num_spec=S, prompts=p,
-                                max_tokens=MAX_TOKENS, engine=CHUNKED), tmp_path).outputs
+    cold = cold_run.continuations
     oracle = oracle_file(tmp_path / "half.json", p, cold, 0.3)
     results: dict[str, list[list[int]]] = {}
     metrics: dict[str, str] = {}
