@@ -89,3 +89,47 @@ def flip_bit(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1
     path.write_bytes(bytes(data))
+
+
+RACE_PROMPTS = tuple(make_tokens(24 + 3 * i, seed=100 + i) for i in range(60))
+"""Prompts two processes store into one directory at the same time (distinct lengths)."""
+
+
+def rewrap(body: object, key: bytes | None = None) -> bytes:
+    """A manifest envelope with a correct checksum (and, with ``key``, signature) around any
+    JSON: what someone who can write the directory can produce."""
+    import hashlib
+    import json
+
+    from vllm_recoverssm.checkpoint.integrity import sign
+    from vllm_recoverssm.checkpoint.wire import ENVELOPE, MAGIC, MAGIC_KEYED
+
+    raw = json.dumps(body, allow_nan=True).encode()
+    head = ENVELOPE.pack(MAGIC if key is None else MAGIC_KEYED, 1, len(raw),
+                         hashlib.sha256(raw).digest())
+    return head + raw if key is None else head + sign(key, head + raw) + raw
+
+
+def manifest_body(store, tokens: tuple[int, ...]) -> dict:  # type: ignore[no-untyped-def]
+    """The JSON document of the manifest published for exactly ``tokens``."""
+    import json
+
+    from vllm_recoverssm.checkpoint import prefix_digest
+    from vllm_recoverssm.checkpoint.wire import manifest_from_bytes
+
+    raw = store._objects.get(store._manifest_key(len(tokens), prefix_digest(tokens)))
+    assert raw is not None
+    return json.loads(manifest_from_bytes(raw.numpy().tobytes()).model_dump_json())
+
+
+def put_manifest(store, tokens: tuple[int, ...], data: bytes) -> None:  # type: ignore[no-untyped-def]
+    """Store ``data`` as the manifest of ``tokens``, through the store's own backend."""
+    from vllm_recoverssm.checkpoint import prefix_digest
+
+    key = store._manifest_key(len(tokens), prefix_digest(tokens))
+    store._objects.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def object_path(store, key) -> Path:  # type: ignore[no-untyped-def]
+    """The file a disk store keeps the object ``key`` in."""
+    return Path(store.config.path) / store._objects._fs.file_name(store._objects._key(key))

@@ -91,7 +91,7 @@ def test_plan_from_config(tmp_path, capsys):
     [
         (["--tp", "3"], ["--tp", "does not divide"]),  # reported by the layout
         (["--tp", "0"], ["--tp"]),
-        (["--tp", "two"], ["invalid int value"]),
+        (["--tp", "two"], ["--tp", "expected an integer"]),
         (["--num-spec", "-1"], ["--num-spec"]),
         (["--cache-mode", "align"], ["--block-size"]),
         (["--cache-mode", "align", "--block-size", "2"], ["smaller than S+1"]),
@@ -203,7 +203,7 @@ def test_check_json(capsys):
     "argv, words",
     [
         (["--spec-method", "telepathy"], ["--spec-method", "unknown speculative method"]),
-        (["--spec-method", "none", "--num-spec", "3"], ["spec_method"]),
+        (["--spec-method", "none", "--num-spec", "3"], ["--spec-method", "--num-spec 0"]),
         (["--gpu-capability", "fast"], ["--gpu-capability"]),
         (["--pp", "0"], ["--pp"]),
         (["--mode", "maybe"], ["invalid choice"]),

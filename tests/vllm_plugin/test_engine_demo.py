@@ -40,8 +40,8 @@ def test_demo_engine_vllm_serves_both_modes_with_the_same_tokens() -> None:
 def test_demo_engine_vllm_rejects_bad_numbers() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_recoverssm.cli.main", "demo", "--engine", "vllm",
-         "--num-spec", "9"], cwd=REPO, env=environment(), capture_output=True, text=True,
+         "--requests", "100"], cwd=REPO, env=environment(), capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
-    assert "argument '--num-spec'" in line and "less than or equal to 7" in line
+    assert "argument --requests" in line and "less than or equal to 64" in line

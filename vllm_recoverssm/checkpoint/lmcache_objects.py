@@ -4,15 +4,18 @@ This module is the only one that talks to LMCache. It stores flat byte objects (
 and manifests) under ``CacheEngineKey``s and offers put / get / contains / remove:
 
 * ``ram``: LMCache's ``LocalCPUBackend``. Objects live in LMCache's CPU pool of this process.
-* ``disk``: LMCache's ``RemoteBackend`` with the ``fs`` connector (``FSConnector``), staged
-  through a ``LocalCPUBackend``. It is chosen over ``LocalDiskBackend`` because that backend
-  keeps its index only in process memory (a fresh process finds nothing), writes files in
-  place with a plain ``open`` (a crash leaves a half-written file under the real name) and
-  stores no shape or dtype. The fs connector writes each object to a temporary file and renames
-  it over the final name (atomic on POSIX file systems), prefixes it with a header (length,
-  format, dtype, shape), and answers ``exists`` from the file system, so objects written by
-  one process are found by the next. It does not fsync: a machine crash (not a process crash)
-  can leave a short file behind, which the checksums in the manifest turn into a miss.
+* ``disk``: LMCache's ``RemoteBackend`` with an fs connector, staged through a
+  ``LocalCPUBackend``. It is chosen over ``LocalDiskBackend`` because that backend keeps its
+  index only in process memory (a fresh process finds nothing), writes files in place with a
+  plain ``open`` (a crash leaves a half-written file under the real name) and stores no shape
+  or dtype. The connector is LMCache's ``FSConnector`` hardened by :mod:`.fs_connector`
+  (loaded through LMCache's remote-storage plugin hook): each object is written under a unique
+  temporary name created exclusively and renamed over the final name (atomic on POSIX file
+  systems), prefixed with LMCache's header (length, format, dtype, shape); reads open regular
+  files only and check the header against the file before allocating; ``exists`` is answered
+  from the file system, so objects written by one process are found by the next. Nothing is
+  fsynced: a machine crash (not a process crash) can leave a short file behind, which the
+  checksums in the manifest turn into a miss.
 
 LMCache is imported when a store is built, never at package import, and every way that
 building can fail (LMCache missing or of another version, an unusable directory, a backend
@@ -27,8 +30,10 @@ import importlib.metadata
 import os
 import secrets
 import threading
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -40,7 +45,12 @@ from .errors import CheckpointConfigError
 SUPPORTED_LMCACHE = "0.5."
 INSTALL_HINT = "install it with `make install-lmcache` (requirements/lmcache.txt)"
 GiB = 2**30
-_KEY_MODEL_PREFIX = "recoverssm-"
+KEY_MODEL_PREFIX = "recoverssm-"
+FS_PLUGIN = "recoverssm_fs"  # fs_connector.PLUGIN_NAME; that module imports LMCache
+FS_CONNECTOR_MODULE = "vllm_recoverssm.checkpoint.fs_connector"
+FS_CONNECTOR_CLASS = "SafeFSConnector"
+WAIT_MARGIN_S = 1.0
+"""How much longer than a write's deadline the caller waits for its answer."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class ObjectKey:
     index: int = 0
 
 
-def _import_lmcache() -> SimpleNamespace:
+def import_lmcache() -> SimpleNamespace:
     """Import the LMCache pieces the store uses, or raise a clear start-up error."""
     try:
         version = importlib.metadata.version("lmcache")
@@ -125,10 +135,11 @@ class LMCacheObjects:
 
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
-        self._lm = _import_lmcache()
+        self._lm = import_lmcache()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._remote: Any = None
+        self._fs: Any = None
         self._closed = False
         self._held: dict[ObjectKey, Any] = {}
         lm = self._lm
@@ -153,15 +164,21 @@ class LMCacheObjects:
             else:
                 assert config.path is not None  # the config validator guarantees it
                 self._check_dir(config.path)
+                plugin = f"remote_storage_plugin.{FS_PLUGIN}"
                 cfg = lm.LMCacheEngineConfig.from_defaults(
                     chunk_size=1,
                     local_cpu=False,
                     max_local_cpu_size=config.ram_bytes / GiB,
-                    remote_storage_plugins=["fs"],
+                    remote_storage_plugins=[FS_PLUGIN],
                     remote_serde="naive",
                     blocking_timeout_secs=config.timeout_s,
                     extra_config={
-                        "remote_storage_plugin.fs.base_path": str(config.path),
+                        # LMCache's own plugin hook loads our hardened fs connector
+                        f"{plugin}.module_path": FS_CONNECTOR_MODULE,
+                        f"{plugin}.class_name": FS_CONNECTOR_CLASS,
+                        f"{plugin}.base_path": str(config.path),
+                        # a read never allocates more than the staging pool holds
+                        "recoverssm.max_object_bytes": config.ram_bytes,
                         # answer contains() with a plain stat, not a hop to the I/O loop
                         "use_exists_sync": True,
                     },
@@ -173,13 +190,19 @@ class LMCacheObjects:
                 )
                 self._thread.start()
                 self._remote = lm.RemoteBackend(
-                    cfg, meta, self._loop, self._cpu, "cpu", plugin_name="fs"
+                    cfg, meta, self._loop, self._cpu, "cpu", plugin_name=FS_PLUGIN
                 )
                 if self._remote.connection is None:
                     raise CheckpointConfigError(
                         f"LMCache's fs backend could not open {config.path} (see LMCache's "
                         f"log above; a missing 'aiofiles' package also causes this; "
                         f"{INSTALL_HINT})"
+                    )
+                self._fs = self._remote.connection.getWrappedConnector()
+                if type(self._fs).__name__ != FS_CONNECTOR_CLASS:
+                    raise CheckpointConfigError(
+                        f"LMCache built a {type(self._fs).__name__} for the checkpoint "
+                        f"directory instead of {FS_CONNECTOR_CLASS}"
                     )
             self._probe()
         except CheckpointConfigError:
@@ -221,7 +244,7 @@ class LMCacheObjects:
             tags["lmcache.tag.bundle"] = key.bundle_id
             tags["lmcache.tag.part"] = str(key.index)
         return self._lm.CacheEngineKey(
-            model_name=_KEY_MODEL_PREFIX + key.namespace[:32],
+            model_name=KEY_MODEL_PREFIX + key.namespace[:32],
             world_size=key.tp_size,
             worker_id=key.tp_rank,
             chunk_hash=int(key.prefix_digest[:16], 16),
@@ -258,15 +281,34 @@ class LMCacheObjects:
                     mo.ref_count_up()
                     self._held[key] = mo
             else:
+                # A write that is not renamed into place by the deadline is discarded, so one
+                # reported as failed (timed out) never becomes visible later.
+                self._wait_for_earlier_put(lkey)
+                self._fs.set_deadline(lkey, time.monotonic() + self.config.timeout_s)
                 future = self._remote.submit_put_task(lkey, mo)
                 try:
-                    future.result(timeout=self.config.timeout_s)
+                    future.result(timeout=self.config.timeout_s + WAIT_MARGIN_S)
                 except FutureTimeout:
                     raise OSError(f"write timed out after {self.config.timeout_s} s") from None
                 except Exception as exc:
                     raise OSError(f"write failed: {exc}") from exc
         finally:
             mo.ref_count_down()
+
+    def _wait_for_earlier_put(self, lkey: Any) -> None:
+        # LMCache's RemoteBackend answers a put of a key it still lists as in flight with an
+        # immediate success and writes nothing. Its list is cleared by a callback that may run
+        # just after our wait for the previous put of the same key returned.
+        deadline = time.monotonic() + WAIT_MARGIN_S
+        while self._remote.exists_in_put_tasks(lkey) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if self._remote.exists_in_put_tasks(lkey):
+            raise OSError("an earlier write of the same object is still in flight")
+
+    @property
+    def directory(self) -> Path | None:
+        """The disk store's directory (None for RAM)."""
+        return self.config.path if self._remote is not None else None
 
     def get(self, key: ObjectKey) -> torch.Tensor | None:
         """A copy of the object under ``key`` as flat uint8, or None when there is none."""

@@ -3,20 +3,23 @@
 A bundle is stored as ``len(chunks)`` payload objects and one manifest object. The payload is
 the raw bytes of every tensor (token ids first, then each layer's tensors, then the logits),
 each at a 64-byte aligned offset, cut into chunks of at most ``chunk_bytes``. The manifest is a
-fixed envelope -- magic, format version, JSON length, SHA-256 of the JSON -- followed by the JSON
-document that names the layout identity, the prefix, every chunk (size, SHA-256) and every
-tensor (dtype, shape, offset, size).
+fixed envelope -- magic, format version, JSON length, SHA-256 of the JSON and, for a store with
+an HMAC key, the HMAC-SHA256 of envelope and JSON -- followed by the JSON document that names
+the layout identity, the prefix, every chunk (size, SHA-256) and every tensor (dtype, shape,
+offset, size).
 
 Reading treats every byte as untrusted: the envelope, the JSON schema (unknown fields refused),
-the identity, every size, offset and checksum are checked before a single tensor is built,
-and nothing is ever unpickled.
+the identity, every count, size, dimension, offset, name and checksum are checked against
+fixed bounds before a single tensor is built, and nothing is ever unpickled. A forged manifest
+can make a lookup miss, never raise anything but ``BundleFormatError`` here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,24 +27,59 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .bundle import MAX_NDIM, RequestCheckpoint, check_name
 from .errors import BundleFormatError
 from .identity import LayoutIdentity, ScalarValue
+from .integrity import TAG_BYTES, sign, verify
 from .tensors import DTYPES, as_bytes, dtype_name, from_bytes
 
 MAGIC = b"RSSMCKPT"
+MAGIC_KEYED = b"RSSMCKPH"
 FORMAT_NAME: Literal["vllm-recoverssm.checkpoint"] = "vllm-recoverssm.checkpoint"
 FORMAT_VERSION: Literal[1] = 1
 ENVELOPE = struct.Struct("<8sII32s")  # magic, version, JSON length, SHA-256 of the JSON
+TAG = struct.Struct(f"<{TAG_BYTES}s")  # keyed envelopes: HMAC of envelope + JSON, after it
 MAX_MANIFEST_JSON = 16 * 2**20
+MAX_MANIFEST_BYTES = ENVELOPE.size + TAG.size + MAX_MANIFEST_JSON
 ALIGN = 64
 TOKENS_NAME = "tokens"
 LOGITS_NAME = "logits"
 _HEX64 = r"^[0-9a-f]{64}$"
+
+# Bounds of every number a manifest may carry. They are far above any real bundle and keep
+# every product and every allocation a reader makes finite and small enough to refuse early.
+MAX_BUNDLE_BYTES = 2**40
+MAX_TOKENS = 2**24
+MAX_PARTS = 2**20
+MAX_TENSORS = 2**16
+MAX_META = 64
+MAX_META_STR = 1024
+_INT64 = 2**63
+
+Dim = Annotated[int, Field(ge=0, le=MAX_BUNDLE_BYTES)]
+Size = Annotated[int, Field(ge=0, le=MAX_BUNDLE_BYTES)]
+
+
+def check_meta_value(key: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is a small, finite scalar (bounded int, str, bool)."""
+    check_name(key, "meta key")
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not -_INT64 <= value < _INT64:
+            raise ValueError(f"meta[{key!r}]: integer outside int64")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"meta[{key!r}]: not a finite number")
+    elif isinstance(value, str):
+        if len(value) > MAX_META_STR:
+            raise ValueError(f"meta[{key!r}]: longer than {MAX_META_STR} characters")
+    else:
+        raise ValueError(f"meta[{key!r}]: expected int, float, str or bool")
 
 
 class ChunkEntry(BaseModel):
     """One payload chunk: its size and SHA-256."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-    nbytes: int = Field(ge=1)
+    nbytes: int = Field(ge=1, le=MAX_BUNDLE_BYTES)
     sha256: str = Field(pattern=_HEX64)
 
 
@@ -52,9 +90,9 @@ class TensorEntry(BaseModel):
     layer: str | None
     name: str
     dtype: str
-    shape: list[int]
-    offset: int = Field(ge=0)
-    nbytes: int = Field(ge=0)
+    shape: list[Dim] = Field(max_length=MAX_NDIM)
+    offset: Size
+    nbytes: Size
 
     @model_validator(mode="after")
     def _check(self) -> TensorEntry:
@@ -63,16 +101,15 @@ class TensorEntry(BaseModel):
         check_name(self.name, "tensor name")
         if self.dtype not in DTYPES:
             raise ValueError(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
-        if len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
-            raise ValueError(f"tensor {self.name!r}: bad shape {self.shape}")
-        numel = 1
+        size = DTYPES[self.dtype].itemsize
         for d in self.shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        if numel * itemsize != self.nbytes:
+            size *= d
+            if size > MAX_BUNDLE_BYTES:  # stop before the product grows without bound
+                raise ValueError(f"tensor {self.name!r}: shape {self.shape} is too large")
+        if size != self.nbytes:
             raise ValueError(
                 f"tensor {self.name!r}: shape {self.shape} x {self.dtype} is "
-                f"{numel * itemsize} bytes, manifest says {self.nbytes}"
+                f"{size} bytes, manifest says {self.nbytes}"
             )
         return self
 
@@ -85,17 +122,19 @@ class Manifest(BaseModel):
     version: Literal[1]
     identity: LayoutIdentity
     identity_digest: str = Field(pattern=_HEX64)
-    num_tokens: int = Field(ge=1)
+    num_tokens: int = Field(ge=1, le=MAX_TOKENS)
     prefix_digest: str = Field(pattern=_HEX64)
     boundary: Literal["prompt", "response"]
     bundle_id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    meta: dict[str, ScalarValue]
-    total_bytes: int = Field(ge=0)
-    chunks: list[ChunkEntry]
-    tensors: list[TensorEntry]
+    meta: dict[str, ScalarValue] = Field(max_length=MAX_META)
+    total_bytes: Size
+    chunks: list[ChunkEntry] = Field(max_length=MAX_PARTS)
+    tensors: list[TensorEntry] = Field(min_length=2, max_length=MAX_TENSORS)
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:
+        for k, v in self.meta.items():
+            check_meta_value(k, v)
         if self.identity.digest() != self.identity_digest:
             raise ValueError("identity_digest does not match the identity it names")
         if sum(c.nbytes for c in self.chunks) != self.total_bytes:
@@ -117,6 +156,20 @@ class Manifest(BaseModel):
         if any(t.layer is None and t.name not in (TOKENS_NAME, LOGITS_NAME) for t in self.tensors):
             raise ValueError("a tensor without a layer must be the tokens or the logits")
         return self
+
+    def tensor_layout(self) -> list[tuple[str | None, str, str, tuple[int, ...]]]:
+        """Every tensor as (layer, name, dtype, shape) in manifest order: what a model reads."""
+        return [(t.layer, t.name, t.dtype, tuple(t.shape)) for t in self.tensors]
+
+
+def tensor_layout(ck: RequestCheckpoint) -> list[tuple[str | None, str, str, tuple[int, ...]]]:
+    """``ck``'s tensors as :meth:`Manifest.tensor_layout` lists them (tokens first)."""
+    out: list[tuple[str | None, str, str, tuple[int, ...]]] = [
+        (None, TOKENS_NAME, "int64", (ck.num_tokens,))
+    ]
+    out += [(lname, tname, dtype_name(t.dtype), tuple(t.shape)) for lname, tname, t in
+            ck.named_tensors()]
+    return out
 
 
 def _sha256(t: torch.Tensor) -> str:
@@ -180,34 +233,58 @@ def encode(
     return manifest, chunks
 
 
-def manifest_to_bytes(manifest: Manifest) -> bytes:
-    """Envelope + JSON of ``manifest``."""
+def manifest_to_bytes(manifest: Manifest, key: bytes | None = None) -> bytes:
+    """Envelope + JSON of ``manifest``; with ``key`` the keyed envelope carrying its HMAC."""
     body = manifest.model_dump_json().encode()
-    head = ENVELOPE.pack(MAGIC, FORMAT_VERSION, len(body), hashlib.sha256(body).digest())
-    return head + body
+    magic = MAGIC if key is None else MAGIC_KEYED
+    head = ENVELOPE.pack(magic, FORMAT_VERSION, len(body), hashlib.sha256(body).digest())
+    if key is None:
+        return head + body
+    return head + TAG.pack(sign(key, head + body)) + body
 
 
-def manifest_from_bytes(raw: bytes | bytearray | memoryview) -> Manifest:
-    """Parse and check a manifest; ``BundleFormatError`` says what was wrong."""
+def manifest_from_bytes(
+    raw: bytes | bytearray | memoryview, key: bytes | None = None
+) -> Manifest:
+    """Parse and check a manifest; ``BundleFormatError`` says what was wrong.
+
+    With ``key``, only a keyed envelope whose HMAC checks out is accepted. Without one both
+    kinds are read (a keyed manifest's SHA-256 still catches accidental damage).
+    """
     data = bytes(raw)
     if len(data) < ENVELOPE.size:
         raise BundleFormatError(f"manifest is {len(data)} bytes, shorter than its envelope")
     magic, version, length, digest = ENVELOPE.unpack_from(data)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_KEYED):
         raise BundleFormatError("manifest does not start with the checkpoint magic")
     if version != FORMAT_VERSION:
         raise BundleFormatError(f"manifest format version {version}, expected {FORMAT_VERSION}")
-    if length > MAX_MANIFEST_JSON or ENVELOPE.size + length != len(data):
+    start = ENVELOPE.size + (TAG.size if magic == MAGIC_KEYED else 0)
+    if length > MAX_MANIFEST_JSON or start + length != len(data):
         raise BundleFormatError(
-            f"manifest says {length} JSON bytes, object holds {len(data) - ENVELOPE.size}"
+            f"manifest says {length} JSON bytes, object holds {len(data) - start}"
         )
-    body = data[ENVELOPE.size :]
+    body = data[start:]
     if hashlib.sha256(body).digest() != digest:
         raise BundleFormatError("manifest checksum mismatch")
+    if key is not None:
+        if magic != MAGIC_KEYED:
+            raise BundleFormatError("manifest is not signed, and this store needs a signature")
+        (tag,) = TAG.unpack_from(data, ENVELOPE.size)
+        if not verify(key, data[: ENVELOPE.size] + body, tag):
+            raise BundleFormatError("manifest signature (HMAC) does not match this store's key")
     try:
         return Manifest.model_validate_json(body)
     except ValidationError as exc:
-        raise BundleFormatError(f"manifest is not valid: {exc}") from None
+        raise BundleFormatError(f"manifest is not valid: {_short(exc)}") from None
+
+
+def _short(exc: ValidationError) -> str:
+    # One bounded line for the log: a forged manifest may carry thousands of errors.
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}".lstrip(": ") for e in errors[:3]]
+    more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+    return ("; ".join(parts) + more).replace("\n", " ")[:500]
 
 
 def decode(manifest: Manifest, chunks: list[torch.Tensor]) -> RequestCheckpoint:

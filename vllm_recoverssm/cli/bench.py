@@ -1,12 +1,59 @@
-"""``recoverssm bench``: decode-step timings of recovery vs full-state verify on a GPU."""
+"""``recoverssm bench``: decode-step timings of recovery vs full-state verify on a GPU.
+
+The options are strings to argparse and are checked by :data:`DEFERRED_CHECKS` after parsing:
+``python -m vllm_recoverssm.bench`` parses them with a plain argparse parser and reports a
+bad value (a ``ValueError``) as one line itself.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..bench import grid
+from ..ops import BACKENDS
+from .args import (
+    Choice,
+    Float,
+    Int,
+    IntList,
+    OutputFile,
+    PowerOfTwo,
+    Validator,
+    check_value,
+    flag_error,
+)
+
+MAX_BATCH = 4096
+MAX_LAYERS = 256
+MAX_HEADS = 256
+SMOKE_MAX_BYTES = 1 << 30
+GPU_MAX_BYTES = 64 << 30
+STEP_BYTES_PER_ELEMENT = 32
+"""Bytes per (request, head, head-dim element, window token) of one step's inputs and
+records, rounded up: q, k, v, raw g (activations), corrections (FP32), raw k/g records."""
+
+DEFERRED_CHECKS: dict[str, Validator] = {
+    "--num-spec": IntList(grid.MIN_NUM_SPEC, grid.MAX_NUM_SPEC, 7),
+    "--batch": IntList(1, MAX_BATCH, 16),
+    "--layers": IntList(1, MAX_LAYERS, 8),
+    "--reps": Int(1, 100_000),
+    "--warmup": Int(0, 10_000),
+    "--heads": Int(1, MAX_HEADS),
+    "--head-dim": PowerOfTwo(16, 256),
+    "--dtype": Choice(grid.DTYPES),
+    "--backend": Choice(BACKENDS),
+    "--device": Choice(("auto", "cuda", "cpu")),
+    "--flush-mib": Float(0.0, 16384.0, lo_open=True),
+    "--roof-gib": Float(0.0, 64.0, lo_open=True),
+    "--mem-budget-gib": Float(0.0, 65536.0, lo_open=True),
+    "--seed": Int(0, 2**63 - 1),
+    "--json": OutputFile("the JSON report"),
+    "--plot": OutputFile("the PNG plot"),
+}
+"""Every option that takes a value, and how it is checked."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -48,76 +95,86 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def _output_path(name: str, text: str | None) -> Path | None:
-    if text is None:
-        return None
-    path = Path(text)
-    if not path.parent.is_dir():
-        raise ValueError(f"argument --{name}: directory {str(path.parent)!r} does not exist")
-    return path
+def _value(args: argparse.Namespace, flag: str) -> Any:
+    return check_value(flag, DEFERRED_CHECKS[flag], getattr(args, flag[2:].replace("-", "_")))
 
 
 def config_from_args(args: argparse.Namespace) -> grid.BenchConfig:
-    """Validate the options into a :class:`grid.BenchConfig` (ValueError on bad input)."""
+    """Validate the options into a :class:`grid.BenchConfig` (UsageError on bad input)."""
     d = grid.SMOKE_DEFAULTS if args.smoke else grid.GPU_DEFAULTS
 
-    def ints(name: str, text: str | None, lo: int, hi: int | None = None) -> tuple[int, ...]:
-        if text is None:
-            return tuple(d[name.replace("-", "_")])  # type: ignore[arg-type]
-        return grid.parse_int_list(name, text, lo, hi)
+    def pick(flag: str) -> Any:
+        value = _value(args, flag)
+        return d[flag[2:].replace("-", "_")] if value is None else value
 
-    def num(name: str, integer: bool, zero: bool = False) -> float:
-        key = name.replace("-", "_")
-        return grid.parse_positive(name, getattr(args, key), d[key], integer,  # type: ignore[arg-type]
-                                   allow_zero=zero)
-
-    if args.dtype not in grid.DTYPES:
-        raise ValueError(f"argument --dtype: expected one of {', '.join(grid.DTYPES)}, "
-                         f"got {args.dtype!r}")
-    from ..ops import BACKENDS
-
-    if args.backend not in BACKENDS:
-        raise ValueError(f"argument --backend: expected one of {', '.join(BACKENDS)}, "
-                         f"got {args.backend!r}")
-    if args.backend == "reference" and not args.smoke:
-        raise ValueError("argument --backend: the reference backend syncs with the host and "
-                         "cannot be captured in a CUDA graph; use it with --smoke")
-    head_dim = int(num("head-dim", True))
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"argument --head-dim: expected a power of two >= 16, got {head_dim}")
-    budget = None
-    if args.mem_budget_gib is not None:
-        budget = grid.parse_positive("mem-budget-gib", args.mem_budget_gib, 0.0, False)
-    seed = int(grid.parse_positive("seed", args.seed, 0, True, allow_zero=True))
-    return grid.BenchConfig(
+    backend = _value(args, "--backend")
+    if backend == "reference" and not args.smoke:
+        raise flag_error("--backend", "the reference backend syncs with the host and cannot "
+                                      "be captured in a CUDA graph; use it with --smoke")
+    try:
+        device = grid.resolve_device(_value(args, "--device"), args.smoke)
+    except ValueError as exc:
+        raise flag_error("--device", str(exc).removeprefix("argument --device: ")) from None
+    cfg = grid.BenchConfig(
         smoke=args.smoke,
-        device=grid.resolve_device(args.device, args.smoke),
-        num_spec=ints("num-spec", args.num_spec, grid.MIN_NUM_SPEC, grid.MAX_NUM_SPEC),
-        batch=ints("batch", args.batch, 1),
-        layers=ints("layers", args.layers, 1),
-        heads=int(num("heads", True)),
-        head_dim=head_dim,
-        dtype=args.dtype,
-        reps=int(num("reps", True)),
-        warmup=int(num("warmup", True, zero=True)),
-        flush_mib=num("flush-mib", False),
-        roof_gib=num("roof-gib", False),
-        backend=args.backend,
+        device=device,
+        num_spec=tuple(pick("--num-spec")),
+        batch=tuple(pick("--batch")),
+        layers=tuple(pick("--layers")),
+        heads=int(pick("--heads")),
+        head_dim=int(pick("--head-dim")),
+        dtype=_value(args, "--dtype"),
+        reps=int(pick("--reps")),
+        warmup=int(pick("--warmup")),
+        flush_mib=float(pick("--flush-mib")),
+        roof_gib=float(pick("--roof-gib")),
+        backend=backend,
         peer=not args.no_peer,
-        mem_budget_gib=budget,
-        seed=seed,
+        mem_budget_gib=_value(args, "--mem-budget-gib"),
+        seed=int(_value(args, "--seed")),
     )
+    _check_sizes(cfg)
+    return cfg
+
+
+def _check_sizes(cfg: grid.BenchConfig) -> None:
+    """Refuse runs whose buffers outgrow the machine before anything is allocated."""
+    limit = SMOKE_MAX_BYTES if cfg.smoke else GPU_MAX_BYTES
+    where = "--smoke (CPU) allows" if cfg.smoke else "one GPU run allows"
+    if cfg.flush_mib * grid.MIB > limit:
+        raise flag_error("--flush-mib", f"{cfg.flush_mib:g} MiB is more than {where} "
+                                        f"({limit / grid.GIB:g} GiB)")
+    if 2 * cfg.roof_gib * grid.GIB > limit:
+        raise flag_error("--roof-gib", f"two copies of {cfg.roof_gib:g} GiB are more than "
+                                       f"{where} ({limit / grid.GIB:g} GiB)")
+    elements = max(cfg.batch) * cfg.heads * cfg.head_dim * (max(cfg.num_spec) + 1)
+    need = elements * STEP_BYTES_PER_ELEMENT
+    if need > limit:
+        raise flag_error(
+            ("--batch", "--heads", "--head-dim", "--num-spec"),
+            f"one step's inputs and records need about {need / grid.GIB:.1f} GiB, more than "
+            f"{where} ({limit / grid.GIB:g} GiB)",
+        )
+
+
+def validate(args: argparse.Namespace) -> tuple[grid.BenchConfig, Path | None, Path | None]:
+    """Check every option without measuring anything: the config and the output paths."""
+    cfg = config_from_args(args)
+    json_path = _value(args, "--json")
+    plot_path = _value(args, "--plot")
+    if plot_path is not None:
+        from ..bench import plot
+
+        if not plot.matplotlib_available():
+            raise flag_error("--plot", "needs matplotlib (pip install 'vllm-recoverssm[bench]')")
+    return cfg, json_path, plot_path
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, measure the grid, print the tables, write JSON and PNG."""
     from ..bench import plot, report, runner
 
-    cfg = config_from_args(args)
-    json_path = _output_path("json", args.json)
-    plot_path = _output_path("plot", args.plot)
-    if plot_path is not None and not plot.matplotlib_available():
-        raise ValueError("argument --plot: needs matplotlib (pip install 'vllm-recoverssm[bench]')")
+    cfg, json_path, plot_path = validate(args)
     result = runner.run(cfg, progress_enabled=not args.no_progress)
     sys.stdout.write(report.format_text(result))
     if json_path is not None:

@@ -9,34 +9,50 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from pydantic import ValidationError
 
 from ..config.eligibility import Deployment, IneligibleError, decide
-from .main import UsageError
-from .plan import (
+from .args import Int, Text, UsageError, Validator, flag_error
+from .deployment import (
+    PLAN_FIELD_FLAGS,
     activation_dtype,
     add_deployment_args,
+    checked_plan,
     model_from_args,
-    one_line_errors,
     validation_message,
 )
 
+CHECK_FIELD_FLAGS: dict[str, str] = {
+    **PLAN_FIELD_FLAGS,
+    "pipeline_parallel_size": "--pp", "stochastic_rounding": "--stochastic-rounding",
+    "kernel_backend": "--kernel-backend", "gpu_capability": "--gpu-capability",
+    "model_runner": "--runner", "kv_connector": "--kv-connector", "spec_method": "--spec-method",
+    "architecture": "--arch", "head_dim": "--head-dim",
+}
+"""Eligibility field -> the flag that sets it."""
 
-def _capability(text: str) -> tuple[int, int] | None | str:
-    t = text.strip().lower()
-    if t in ("auto", "none"):
-        return t
-    try:
-        major, _, minor = t.removeprefix("sm").partition(".")
-        if not minor and len(major) >= 2 and t.startswith("sm"):
-            major, minor = major[:-1], major[-1]
-        return int(major), int(minor or 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a compute capability like 9.0 or sm120, 'none' or 'auto', got {text!r}"
-        ) from None
+
+class Capability(Validator):
+    """A CUDA compute capability (``9.0``, ``sm120``, ``sm_90``), ``none`` or ``auto``."""
+
+    expected = "a compute capability like 9.0 or sm120 (major 1..99, minor 0..9), 'none' or 'auto'"
+
+    def parse(self, text: str) -> tuple[int, int] | str:
+        t = text.strip().lower()
+        if t in ("auto", "none"):
+            return t
+        m = re.fullmatch(r"(\d{1,2})\.(\d)", t) or re.fullmatch(r"sm_?(\d{1,2})(\d)", t)
+        if m is None or int(m[1]) < 1:
+            raise self.fail(text)
+        return int(m[1]), int(m[2])
+
+    def samples(self) -> list[str]:
+        """Good and bad spellings."""
+        return ["9.0", "sm120", "sm_90", "0.0", "100.0", "9.10", "sm1", "auto", "none"] + \
+            super().samples()
 
 
 def detect_gpu() -> tuple[tuple[int, int] | None, str | None]:
@@ -79,20 +95,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "print the decision. Exit 0: decided; 1: --mode on but ineligible; "
                     "2: bad arguments.",
     )
-    one_line_errors(p)
     add_deployment_args(p)
     e = p.add_argument_group("eligibility")
     e.add_argument("--mode", choices=("auto", "on", "off"), default="auto",
                    help="auto (default), on (force; fail if ineligible), off (full states)")
-    e.add_argument("--arch", help="architecture name (default: the model's)")
+    e.add_argument("--arch", type=Text(128, r"[A-Za-z][A-Za-z0-9_.]*", "an architecture name"),
+                   help="architecture name (default: the model's)")
     e.add_argument("--spec-method", default=None,
+                   type=Text(32, r"[A-Za-z0-9_\-]+", "a speculative method name"),
                    help="speculative method: mtp, dflash, eagle, ngram, ..., or none "
                         "(default: mtp when --num-spec > 0)")
-    e.add_argument("--head-dim", type=int, help="linear head dim (default: the model's)")
-    e.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    e.add_argument("--head-dim", type=Int(1, 4096),
+                   help="linear head dim (default: the model's)")
+    e.add_argument("--pp", type=Int(1, 256), default=1,
+                   help="pipeline-parallel size (default 1)")
     e.add_argument("--runner", choices=("v1", "v2"), default="v2",
                    help="vLLM GPU model runner (default v2)")
-    e.add_argument("--gpu-capability", type=_capability, default="auto",
+    e.add_argument("--gpu-capability", type=Capability(), default="auto",
                    help="CUDA compute capability like 9.0, 'none' for no GPU, or 'auto' "
                         "(detect; default)")
     e.add_argument("--kernel-backend", choices=("auto", "triton", "b12x", "none"),
@@ -106,8 +125,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
-    """Validate the flags into a :class:`Deployment` (one-line UsageError if invalid)."""
+    """Validate the flags into a :class:`Deployment` (one-line UsageError if invalid).
+
+    The deployment flags shared with ``plan`` are checked exactly as ``plan`` checks them
+    first, so ``check`` never answers for a deployment ``plan`` refuses.
+    """
+    checked_plan(args)
     spec = model_from_args(args)
+    method = args.spec_method
+    if method is not None and method.strip().lower() == "none":
+        method = None
+        if args.num_spec > 0:
+            raise flag_error("--spec-method", f"none means no speculation, which needs "
+                                              f"--num-spec 0, got --num-spec {args.num_spec}")
+    elif method is None:
+        method = "mtp" if args.num_spec > 0 else None
     cap = args.gpu_capability
     if cap == "auto":
         cap, detected = detect_gpu()
@@ -116,9 +148,6 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         detected = detect_backend(cap)
     backend = args.kernel_backend
     backend = detected if backend == "auto" else (None if backend == "none" else backend)
-    method = args.spec_method
-    if method is None:
-        method = "mtp" if args.num_spec > 0 else None
     try:
         return Deployment.model_validate(dict(
             architecture=spec.architecture if args.arch is None else args.arch,
@@ -136,13 +165,12 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
             stochastic_rounding=args.stochastic_rounding,
         ))
     except ValidationError as exc:
-        msg = validation_message(exc)
-        for field, flag in (("spec_method", "--spec-method"), ("num_spec", "--num-spec"),
-                            ("pipeline_parallel_size", "--pp"), ("head_dim", "--head-dim"),
-                            ("gpu_capability", "--gpu-capability"),
-                            ("architecture", "--arch")):
-            msg = msg.replace(f"{field}: ", f"{flag}: ")
-        raise UsageError(msg) from None
+        raise UsageError(validation_message(exc, CHECK_FIELD_FLAGS)) from None
+
+
+def validate(args: argparse.Namespace) -> object:
+    """Check every flag without deciding (for tests and ``--help``-level checks)."""
+    return deployment_from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import TextIO
 import pydantic
 import torch
 
+from vllm_recoverssm.cli.args import Directory, Float, Int, UsageError, flag_error
 from vllm_recoverssm.reference.demo import (
     DRAFTERS,
     MODEL_PRESETS,
@@ -30,6 +31,9 @@ from vllm_recoverssm.reference.demo import (
 )
 
 BAR_WIDTH = 30
+MAX_REQUESTS = 256
+MAX_NEW_TOKENS = 4096
+MAX_THREADS = 256
 MODE_TITLES = {"recovery": "recovery", "full_state": "full-state"}
 
 
@@ -50,15 +54,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where to run (default: cuda when present, else cpu)")
     p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
                    help="model size preset (default: gpu on a GPU, else cpu)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="prompts in the batch (default: 8 on CPU, 16 on GPU)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate per prompt (default: 32 on CPU, 64 on GPU)")
-    p.add_argument("--num-spec", type=int, default=3, help="draft tokens per step, S (1..7)")
+    p.add_argument("--requests", type=Int(1, MAX_REQUESTS), default=None,
+                   help=f"prompts in the batch, 1..{MAX_REQUESTS} (default: 8 on CPU, 16 on GPU)")
+    p.add_argument("--max-new-tokens", type=Int(1, MAX_NEW_TOKENS), default=None,
+                   help=f"tokens to generate per prompt, 1..{MAX_NEW_TOKENS} (default: 32 on "
+                        "CPU, 64 on GPU)")
+    p.add_argument("--num-spec", type=Int(1, 7), default=3,
+                   help="draft tokens per step, S (1..7)")
     p.add_argument("--drafter", choices=DRAFTERS, default="oracle",
                    help="oracle: the greedy continuation, corrupted to reach --acceptance; "
                         "mtp: the model's MTP head (random weights: rarely right)")
-    p.add_argument("--acceptance", type=float, default=0.7,
+    p.add_argument("--acceptance", type=Float(0.0, 1.0), default=0.7,
                    help="target draft acceptance of the oracle drafter, 0..1 (default 0.7)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the state every block (align mode) and reuse shared prefixes")
@@ -66,13 +72,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="export request-boundary checkpoints to LMCache (CPU RAM, or disk "
                         "through its fs backend) and restore a second wave from them")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   type=Directory("the checkpoint directory", create=True),
                    help="with --checkpoint disk: keep the bundles in DIR (default: a "
                         "temporary directory, removed afterwards)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying a CUDA graph")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=Int(1, MAX_THREADS), default=1,
                    help="CPU threads for torch (default 1: the tensors are tiny)")
-    p.add_argument("--seed", type=int, default=0, help="prompt and drafter seed")
+    p.add_argument("--seed", type=Int(0, 2**32 - 1), default=0,
+                   help="prompt and drafter seed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
@@ -222,8 +230,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("argument '--engine vllm': vLLM is not installed here (make "
-                         "install-vllm installs its CPU build)")
+        raise flag_error("--engine", "vllm needs the vLLM package, which is not installed "
+                         "here (make install-vllm installs its CPU build)")
     from vllm_recoverssm.vllm_plugin.engine_demo import (
         EngineDemoOptions,
         format_engine_report,
@@ -241,7 +249,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         flag = ENGINE_DEMO_FLAGS.get(str(err["loc"][0]), str(err["loc"][0]))
-        raise ValueError(f"argument '{flag}': {err['msg']}, got {err.get('input')!r}") from None
+        raise flag_error(flag, f"{err['msg']}, got {err.get('input')!r}") from None
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -257,19 +265,28 @@ def run_vllm(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def validate(args: argparse.Namespace) -> DemoOptions:
+    """The demo's options from the flags; ``UsageError`` names a bad flag (nothing runs)."""
+    if args.checkpoint_dir is not None and args.checkpoint != "disk":
+        raise flag_error("--checkpoint-dir", "only --checkpoint disk writes files")
+    try:
+        return DemoOptions(
+            device=args.device, model=args.model, num_requests=args.requests,
+            max_new_tokens=args.max_new_tokens, num_spec=args.num_spec, drafter=args.drafter,
+            acceptance=args.acceptance, prefix_caching=args.prefix_caching,
+            cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,
+            checkpoint=args.checkpoint,
+            checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
+        )
+    except ValueError as exc:  # the flags above are checked; this is the runtime's last word
+        raise UsageError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when the outputs match and the bytes agree with the planner."""
     if args.engine == "vllm":
         return run_vllm(args)
-    if args.threads < 1:
-        raise ValueError(f"argument '--threads': expected >= 1, got {args.threads}")
-    options = DemoOptions(
-        device=args.device, model=args.model, num_requests=args.requests,
-        max_new_tokens=args.max_new_tokens, num_spec=args.num_spec, drafter=args.drafter,
-        acceptance=args.acceptance, prefix_caching=args.prefix_caching,
-        cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,
-        checkpoint=args.checkpoint, checkpoint_dir=args.checkpoint_dir,
-    )
+    options = validate(args)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     bar = ProgressBar(sys.stderr, enabled=not args.no_progress)

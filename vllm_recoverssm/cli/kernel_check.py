@@ -16,8 +16,17 @@ import torch
 
 from vllm_recoverssm import ops
 
+from .args import Int, PowerOfTwo, flag_error
+
 STATE_TOL = 1e-6
 CONV_TOL = 1e-5
+MAX_BATCH = 1024
+MAX_HEADS = 128
+MAX_HEAD_DIM = 256
+MAX_STEP_BYTES = 4 * 2**30
+# A check holds 2*batch states of H*D*D elements: on the device (4 B), the host copy (4 B)
+# and the float64 oracle (8 B), i.e. 32 B per element of one state per request.
+STEP_BYTES_PER_STATE_ELEMENT = 32
 
 
 @dataclass
@@ -42,13 +51,34 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="check verify/commit/conv against the float64 reference",
         description=__doc__,
     )
-    p.add_argument("--num-spec", type=int, default=3, help="draft tokens S (1..7)")
-    p.add_argument("--batch", type=int, default=4, help="requests in the step")
-    p.add_argument("--heads", type=int, default=None, help="heads (default: 32 GPU, 2 CPU)")
-    p.add_argument("--head-dim", type=int, default=None,
-                   help="K = V (default: 128 GPU, 16 CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-spec", type=Int(1, 7), default=3, help="draft tokens S (1..7)")
+    p.add_argument("--batch", type=Int(1, MAX_BATCH), default=4,
+                   help=f"requests in the step (1..{MAX_BATCH})")
+    p.add_argument("--heads", type=Int(1, MAX_HEADS), default=None,
+                   help=f"heads (default: 32 GPU, 2 CPU; at most {MAX_HEADS})")
+    p.add_argument("--head-dim", type=PowerOfTwo(16, MAX_HEAD_DIM), default=None,
+                   help=f"K = V, a power of two in 16..{MAX_HEAD_DIM} (default: 128 GPU, 16 CPU)")
+    p.add_argument("--seed", type=Int(0, 2**63 - 1), default=0, help="random seed (default 0)")
     p.set_defaults(func=run)
+
+
+def shape_from_args(args: argparse.Namespace, on_gpu: bool) -> tuple[int, int]:
+    """``(heads, head_dim)`` after defaults, refusing a step too large to check here."""
+    H = args.heads if args.heads is not None else (32 if on_gpu else 2)
+    D = args.head_dim if args.head_dim is not None else (128 if on_gpu else 16)
+    need = STEP_BYTES_PER_STATE_ELEMENT * args.batch * H * D * D
+    if need > MAX_STEP_BYTES:
+        raise flag_error(
+            ("--batch", "--heads", "--head-dim"),
+            f"batch {args.batch} x {H} heads x head dim {D} needs about {need / 2**30:.1f} GiB "
+            f"of states, at most {MAX_STEP_BYTES / 2**30:.0f} GiB; make one of them smaller",
+        )
+    return H, D
+
+
+def validate(args: argparse.Namespace) -> object:
+    """Check the flags and the size they add up to (no tensor is made)."""
+    return shape_from_args(args, torch.cuda.is_available())
 
 
 def _backend_and_device() -> tuple[str, str]:
@@ -66,6 +96,8 @@ def check_step(num_spec: int, batch: int, H: int, D: int, seed: int, backend: st
         raise ValueError(f"argument '--num-spec': expected 1..7, got {num_spec}")
     if batch < 1:
         raise ValueError(f"argument '--batch': expected >= 1, got {batch}")
+    if H < 1 or D < 1:
+        raise ValueError(f"argument '--heads'/'--head-dim': expected >= 1, got {H} and {D}")
     gen = torch.Generator().manual_seed(seed)
     W = num_spec + 1
     lens = torch.randint(1, W + 1, (batch,), generator=gen)
@@ -136,8 +168,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the check and print one line per verified quantity; exit 1 on any failure."""
     backend, device = _backend_and_device()
     on_gpu = device == "cuda"
-    H = args.heads if args.heads is not None else (32 if on_gpu else 2)
-    D = args.head_dim if args.head_dim is not None else (128 if on_gpu else 16)
+    H, D = shape_from_args(args, on_gpu)
     where = torch.cuda.get_device_name() if on_gpu else "CPU"
     print(f"kernel-check: backend={backend} device={where} S={args.num_spec} "
           f"batch={args.batch} heads={H} head_dim={D}")

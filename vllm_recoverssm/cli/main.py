@@ -12,6 +12,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from .args import UsageError
+
+__all__ = ["COMMAND_MODULES", "UsageError", "build_parser", "main"]
+
 # Sub-command modules, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_recoverssm.cli.demo",
@@ -19,11 +23,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_recoverssm.cli.bench",
     "vllm_recoverssm.cli.plan",
     "vllm_recoverssm.cli.check",
+    "vllm_recoverssm.cli.checkpoints",
 )
-
-
-class UsageError(Exception):
-    """Bad user input: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,14 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a bad argument (already reported in one line) or --help
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as exc:
-        print(f"recoverssm {args.command}: error: {exc}", file=sys.stderr)
+    except (UsageError, ValueError, OSError) as exc:
+        # Bad input that only the command could see (a config file, a directory): one line.
+        message = str(exc).replace("\n", " ")
+        print(f"recoverssm {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

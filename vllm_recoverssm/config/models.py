@@ -17,6 +17,9 @@ key and value heads are the same.
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,6 +252,19 @@ def get_model_spec(name: str) -> ModelSpec:
 # ---------------------------------------------------------------------------------------
 
 
+MAX_CONFIG_BYTES = 4 * 2**20
+"""A Hugging Face config.json is a few KiB; anything past this is not one."""
+MAX_DIMENSION = 2**20
+"""Bound of every count and size read from a config (layers, heads, dims, ranks)."""
+MAX_LAYERS = 4096
+MAX_CONTEXT = 2**31
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 class _Reader:
     """Typed field access into one config dict, with errors naming the file and field."""
 
@@ -263,14 +279,17 @@ class _Reader:
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
 
-    def integer(self, key: str, default: int | None = None, minimum: int = 0) -> int:
+    def integer(self, key: str, default: int | None = None, minimum: int = 0,
+                maximum: int = MAX_DIMENSION) -> int:
         v = self.data.get(key, default)
         if v is None:
             raise self._err(key, "is missing")
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self._err(key, f"must be an integer, got {v!r}")
+            raise self._err(key, f"must be an integer, got {_short(v)}")
         if v < minimum:
-            raise self._err(key, f"must be >= {minimum}, got {v}")
+            raise self._err(key, f"must be >= {minimum}, got {_short(v)}")
+        if v > maximum:
+            raise self._err(key, f"must be <= {maximum}, got {_short(v)}")
         return v
 
     def opt_float(self, key: str, default: float | None = None) -> float | None:
@@ -278,13 +297,17 @@ class _Reader:
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self._err(key, f"must be a number, got {v!r}")
+            raise self._err(key, f"must be a number, got {_short(v)}")
+        if not math.isfinite(float(v)) or abs(v) > MAX_DIMENSION:
+            raise self._err(key, f"must be a finite number of at most {MAX_DIMENSION}, got "
+                                 f"{_short(v)}")
         return float(v)
 
     def obj(self, key: str) -> _Reader:
         v = self.data.get(key)
         if not isinstance(v, dict):
-            raise self._err(key, "is missing" if v is None else f"must be an object, got {v!r}")
+            raise self._err(key, "is missing" if v is None else
+                            f"must be an object, got {_short(v)}")
         return _Reader(v, self.where, f"{self.prefix}{key}.")
 
     def int_list(self, key: str) -> list[int]:
@@ -293,7 +316,7 @@ class _Reader:
             isinstance(x, int) and not isinstance(x, bool) for x in v
         ):
             raise self._err(key, "is missing" if v is None else f"must be a list of integers, "
-                            f"got {v!r}")
+                            f"got {_short(v)}")
         return v
 
     def str_list(self, key: str) -> list[str] | None:
@@ -301,7 +324,7 @@ class _Reader:
         if v is None:
             return None
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise self._err(key, f"must be a list of strings, got {v!r}")
+            raise self._err(key, f"must be a list of strings, got {_short(v)}")
         return v
 
 
@@ -310,14 +333,14 @@ def _dtype(r: _Reader) -> Literal["bfloat16", "float16", "float32"]:
     aliases = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
                "float32": "float32", "float": "float32"}
     if not isinstance(v, str) or v.removeprefix("torch.") not in aliases:
-        raise r._err("torch_dtype", f"must be bfloat16, float16 or float32, got {v!r}")
+        raise r._err("torch_dtype", f"must be bfloat16, float16 or float32, got {_short(v)}")
     return aliases[v.removeprefix("torch.")]  # type: ignore[return-value]
 
 
 def _max_len(r: _Reader, default: int) -> int:
     for key in ("max_position_embeddings", "model_max_length"):
         if r.has(key):
-            return r.integer(key, minimum=1)
+            return r.integer(key, minimum=1, maximum=MAX_CONTEXT)
     return default
 
 
@@ -334,7 +357,7 @@ def _layer_counts(r: _Reader, n: int, linear_name: str,
 
 
 def _glm(r: _Reader, arch: str, name: str) -> ModelSpec:
-    n = r.integer("num_hidden_layers", minimum=1)
+    n = r.integer("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     heads, dim = r.integer("linear_num_heads", 64, 1), r.integer("linear_head_dim", 128, 1)
     conv = r.integer("linear_conv_kernel_dim", 4, 1)
     lower = r.opt_float("linear_lower_bound", -5.0)
@@ -368,7 +391,7 @@ def _glm(r: _Reader, arch: str, name: str) -> ModelSpec:
 
 
 def _kimi(r: _Reader, arch: str, name: str) -> ModelSpec:
-    n = r.integer("num_hidden_layers", minimum=1)
+    n = r.integer("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     la = r.obj("linear_attn_config")
     kda = la.int_list("kda_layers")
     full = la.int_list("full_attn_layers")
@@ -391,7 +414,7 @@ def _kimi(r: _Reader, arch: str, name: str) -> ModelSpec:
 
 
 def _qwen3_next(r: _Reader, arch: str, name: str) -> ModelSpec:
-    n = r.integer("num_hidden_layers", minimum=1)
+    n = r.integer("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     interval = r.integer("full_attention_interval", 4, 1)
     lin, att = _layer_counts(r, n, "linear_attention",
                              [(i + 1) % interval != 0 for i in range(n)])
@@ -449,16 +472,45 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ModelConfigError(f"{p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(f"{p}: cannot read: {exc}") from None
+    text = _read_config_text(p)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ModelConfigError(
             f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
         ) from None
+    except RecursionError:
+        raise ModelConfigError(f"{p}: not a model config (JSON nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer literal of thousands of digits
+        raise ModelConfigError(f"{p}: not a model config ({exc})") from None
     return model_spec_from_hf_config(data, str(p))
+
+
+def _read_config_text(p: Path) -> str:
+    """The file's text: a regular file of at most ``MAX_CONFIG_BYTES``, opened without
+    waiting (a FIFO or a device is refused, never read)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelConfigError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise ModelConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelConfigError(f"{p}: not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ModelConfigError(
+                f"{p}: {st.st_size:,} bytes, a config.json has at most {MAX_CONFIG_BYTES:,}"
+            )
+        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ModelConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ModelConfigError(f"{p}: more than {MAX_CONFIG_BYTES:,} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(f"{p}: cannot read: {exc}") from None
