@@ -154,12 +154,21 @@ def test_check_eligible(capsys):
 
 
 def test_check_auto_off_lists_reasons(capsys):
-    code, out, _ = run(["check", "--gpu-capability", "none", "--runner", "v1", "--pp", "2"],
-                       capsys)
+    code, out, _ = run(["check", "--gpu-capability", "none", "--runner", "v1", "--pp", "2",
+                        "--cache-mode", "align", "--block-size", "64"], capsys)
     assert code == 0
     assert "recovery: off" in out
     for name in ("gpu:", "model_runner:", "pipeline_parallel_size:"):
         assert name in out
+
+
+def test_check_runner_v1_and_vllms_cpu_platform_are_eligible(capsys):
+    code, out, _ = run(["check", "--runner", "v1", "--gpu-capability", "9.0"], capsys)
+    assert code == 0 and "recovery: on" in out
+    code, out, _ = run(["check", "--device", "cpu", "--runner", "v1"], capsys)
+    assert code == 0 and "recovery: on" in out and "kernels reference" in out
+    code, _, err = run(["check", "--device", "cpu", "--gpu-capability", "9.0"], capsys)
+    assert code == 2 and "argument --gpu-capability" in err
 
 
 def test_check_forced_ineligible(capsys):

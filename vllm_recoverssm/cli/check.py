@@ -29,7 +29,8 @@ CHECK_FIELD_FLAGS: dict[str, str] = {
     **PLAN_FIELD_FLAGS,
     "pipeline_parallel_size": "--pp", "stochastic_rounding": "--stochastic-rounding",
     "kernel_backend": "--kernel-backend", "gpu_capability": "--gpu-capability",
-    "model_runner": "--runner", "kv_connector": "--kv-connector", "spec_method": "--spec-method",
+    "model_runner": "--runner", "device": "--device", "kv_connector": "--kv-connector",
+    "spec_method": "--spec-method",
     "architecture": "--arch", "head_dim": "--head-dim",
 }
 """Eligibility field -> the flag that sets it."""
@@ -111,10 +112,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="pipeline-parallel size (default 1)")
     e.add_argument("--runner", choices=("v1", "v2"), default="v2",
                    help="vLLM GPU model runner (default v2)")
+    e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default), or cpu: vLLM's CPU platform, where the plugin runs "
+                        "the PyTorch reference ops")
     e.add_argument("--gpu-capability", type=Capability(), default="auto",
                    help="CUDA compute capability like 9.0, 'none' for no GPU, or 'auto' "
                         "(detect; default)")
-    e.add_argument("--kernel-backend", choices=("auto", "triton", "b12x", "none"),
+    e.add_argument("--kernel-backend", choices=("auto", "triton", "b12x", "reference", "none"),
                    default="auto", help="available kernel backend (default: detect)")
     e.add_argument("--kv-connector", choices=("none", "request_boundary", "generic", "pd"),
                    default="none", help="KV connector kind: request_boundary (atomic), "
@@ -141,7 +145,12 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     elif method is None:
         method = "mtp" if args.num_spec > 0 else None
     cap = args.gpu_capability
-    if cap == "auto":
+    if args.device == "cpu":
+        if cap not in ("auto", "none"):
+            raise flag_error("--gpu-capability", "--device cpu has no GPU; leave it out or "
+                                                 "pass none")
+        cap, detected = None, "reference"
+    elif cap == "auto":
         cap, detected = detect_gpu()
     else:
         cap = None if cap == "none" else cap
@@ -158,6 +167,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
             head_dim=args.head_dim if args.head_dim is not None else spec.linear_head_dim,
             pipeline_parallel_size=args.pp,
             model_runner=args.runner,
+            device=args.device,
             gpu_capability=cap,
             kernel_backend=backend,
             kv_connector=None if args.kv_connector == "none" else args.kv_connector,
