@@ -149,7 +149,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         if cap not in ("auto", "none"):
             raise flag_error("--gpu-capability", "--device cpu has no GPU; leave it out or "
                                                  "pass none")
-        cap, detected = None, "reference"
+        detected: str | None = "reference"
+        cap = None
     elif cap == "auto":
         cap, detected = detect_gpu()
     else:
