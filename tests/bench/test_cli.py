@@ -16,7 +16,8 @@ from vllm_recoverssm.cli.main import main
 
 SMALL = ["bench", "--smoke", "--no-progress", "--num-spec", "3", "--batch", "1,2",
          "--layers", "1,3", "--reps", "2", "--warmup", "0"]
-RECOVERY_OPS = ("verify", "commit_all", "commit_2", "total_all", "total_2")
+RECOVERY_OPS = ("verify", "commit_all", "commit_2", "total_all", "total_2", "fused_all",
+                "fused_2")
 
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -30,7 +31,7 @@ def test_smoke_default_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     code, out, err = _run(["bench", "--smoke", "--json", str(js)], capsys)
     assert code == 0, err
     doc = json.loads(js.read_text())
-    assert doc["schema"] == "recoverssm-bench/1" and doc["mode"] == "smoke"
+    assert doc["schema"] == "recoverssm-bench/2" and doc["mode"] == "smoke"
     assert {(r["num_spec"], r["batch"], r["layers"]) for r in doc["rows"]} == {
         (s, b, L) for s in (3, 7) for b in (1, 2) for L in (1, 2)}
     assert "S=3 B=1 L=1" in err  # progress on stderr
@@ -50,6 +51,11 @@ def test_json_fields_and_tables(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert doc["peer"]["available"] is False  # no CUDA: the peer column is skipped cleanly
     assert any("fla-core peer column skipped" in n for n in doc["notes"])
     assert isinstance(doc["targets"], list)
+    # smoke fidelity: every method of ours against float64, at tiny shapes
+    (fid,) = doc["fidelity"]
+    assert fid["num_spec"] == 3 and set(fid["methods"]) == {"recovery", "fused", "ours_full"}
+    assert all(m["drift"] <= 1e-5 for m in fid["methods"].values())
+    assert "Fidelity: max |committed state - float64|" in out
     for r in doc["rows"]:
         assert set(r["ops"]) == {"ours_full", *RECOVERY_OPS} and not r["skipped"]
         s = acc.OpShape(2, 16, 16, r["num_spec"], 2)
@@ -61,6 +67,8 @@ def test_json_fields_and_tables(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert r["ops"]["verify"]["bytes"] == acc.recovery_verify_bytes(s, B, L)
         assert r["ops"]["total_2"]["bytes"] == (acc.recovery_verify_bytes(s, B, L)
                                                 + acc.commit_bytes(s, B, 2, L))
+        assert r["ops"]["fused_all"]["bytes"] == acc.fused_verify_bytes(s, B, 4, L)
+        assert r["ops"]["fused_2"]["bytes"] == acc.fused_verify_bytes(s, B, 2, L)
         ratios = r["ratios"]
         assert ratios["total_all/fla"] is None
         assert ratios["total_all/ours_full"] == pytest.approx(

@@ -63,28 +63,36 @@ def test_progress_lines_without_a_terminal() -> None:
     assert len(lines) == 4 and lines[2].startswith("bench 3/3") and lines[3].endswith(" d")
 
 
-def _row(S: int, B: int, total: float, fla: float, frac: float) -> dict[str, Any]:
+def _row(S: int, B: int, total: float, fused: float, frac: float) -> dict[str, Any]:
     ops = {n: {"roof_frac": frac} for n in ("verify", "commit_all", "commit_2")}
     return {"num_spec": S, "batch": B, "layers": 1, "ops": ops,
-            "ratios": {"total_all/fla": total / fla, "total_2/fla": None}}
+            "ratios": {"total_all/fla": total, "total_2/fla": None, "fused_all/fla": fused}}
 
 
 def test_targets() -> None:
-    rows = [_row(3, 1, 1.0, 1.0, 0.1), _row(3, 16, 9.0, 1.0, 0.1), _row(3, 32, 0.61, 1.0, 0.1),
-            _row(7, 128, 0.39, 1.0, 0.75), _row(7, 256, 0.5, 1.0, 0.74)]
+    rows = [_row(3, 1, 1.0, 1.01, 0.1), _row(3, 16, 9.0, 9.0, 0.1), _row(3, 32, 0.61, 0.59, 0.1),
+            _row(7, 128, 0.27, 0.21, 0.80), _row(3, 256, 0.47, 0.33, 0.79)]
+    fid = {"num_spec": 7, "batch": 8, "windows": 16, "methods": {
+        "recovery": {"one_window": 1e-6, "drift": 2.5e-6},
+        "fused": {"one_window": 1.1e-6, "drift": 2.3e-6},
+        "fla_full": {"one_window": 1e-6, "drift": 2e-6}}}
     got = {(t["num_spec"], t["batch"], t["check"]): t["met"]
-           for t in evaluate_targets({"rows": rows})}
+           for t in evaluate_targets({"rows": rows, "fidelity": [fid]})}
     assert got == {
         (3, 1, "total_all/fla"): True,  # <= 1.0 at batch 1 and 8
-        (3, 32, "total_all/fla"): False,  # <= 0.60 at S = 3, batch >= 32
-        (7, 128, "total_all/fla"): True,  # <= 0.40 at S = 7
-        (7, 128, "verify roof fraction"): True,
-        (7, 128, "commit_all roof fraction"): True,
-        (7, 128, "commit_2 roof fraction"): True,
-        (7, 256, "total_all/fla"): False,
-        (7, 256, "verify roof fraction"): False,  # >= 75% of the copy at batch >= 128
-        (7, 256, "commit_all roof fraction"): False,
-        (7, 256, "commit_2 roof fraction"): False,
+        (3, 1, "fused_all/fla"): False,
+        (3, 32, "total_all/fla"): False,  # <= 0.60 at S = 3, batch 32
+        (3, 32, "fused_all/fla"): True,
+        (7, 128, "total_all/fla"): True,  # <= 0.27 at S = 7, batch >= 128
+        (7, 128, "fused_all/fla"): False,  # <= 0.20
+        (7, 128, "verify roof fraction"): True,  # >= 80% of the copy at batch >= 128
+        (3, 256, "total_all/fla"): False,  # <= 0.46 at S = 3
+        (3, 256, "fused_all/fla"): True,  # <= 0.33
+        (3, 256, "verify roof fraction"): False,
+        (7, 8, "recovery state error, 1 window"): True,  # <= 1e-6
+        (7, 8, "recovery / fla drift, 16 windows"): False,  # 1.25 > 1.2
+        (7, 8, "fused state error, 1 window"): False,
+        (7, 8, "fused / fla drift, 16 windows"): True,  # 1.15
     }
 
 

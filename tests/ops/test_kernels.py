@@ -1,9 +1,12 @@
-"""Triton kernels against the float64 reference.
+"""The kernels against the float64 reference.
 
-Three environments run the same checks: ``interp`` and ``interp-2chunk`` (CPU tensors,
-tiny shapes, needs ``TRITON_INTERPRET=1``; runs in CI; the second forces the tile that
-holds K as two chunks, which the kernels pick for K >= 32) and ``gpu`` (CUDA tensors at
-GLM-5.3 TP2 shapes: H=32, K=V=128; marked ``gpu``).
+The same checks run in several environments: ``interp`` (CPU tensors, tiny shapes, needs
+``TRITON_INTERPRET=1``; runs in CI: the Triton window verify for bounded gates, the
+serial one for softplus gates) and ``interp-serial`` (the serial verify everywhere, with
+the tile that holds K as two chunks, which it picks for K >= 32), then ``gpu`` (CUDA
+tensors at GLM-5.3 TP2 shapes: H=32, K=V=128, the kernels a GPU picks: the CUDA window
+verify where it applies) and ``gpu-triton`` (the Triton window verify on the GPU); the
+GPU ones are marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ class Env:
     batches: tuple[int, ...]
     tile: tuple[int, int, int] | None = None
     """``triton_kda.TILE_OVERRIDE`` for the test (None: the kernels' own choice)."""
+    kernel: str | None = None
+    """``triton_kda.VERIFY_KERNEL_OVERRIDE`` for bounded gates (None: the kernels' choice)."""
 
 
 INTERP = Env("cpu", 2, 16, 16, (3, 5))
-INTERP_2CHUNK = Env("cpu", 2, 16, 16, (3, 5), tile=(8, 1, 2))
+INTERP_2CHUNK = Env("cpu", 2, 16, 16, (3, 5), tile=(8, 1, 2), kernel="serial")
 GPU = Env("cuda", 32, 128, 128, (1, 37, 256))
+GPU_TRITON = Env("cuda", 32, 128, 128, (1, 37, 256), kernel="window")
 
 
 def _available(env: Env) -> bool:
@@ -55,8 +61,9 @@ def _available(env: Env) -> bool:
 
 
 @pytest.fixture(params=[pytest.param(INTERP, id="interp"),
-                        pytest.param(INTERP_2CHUNK, id="interp-2chunk"),
-                        pytest.param(GPU, id="gpu", marks=pytest.mark.gpu)])
+                        pytest.param(INTERP_2CHUNK, id="interp-serial"),
+                        pytest.param(GPU, id="gpu", marks=pytest.mark.gpu),
+                        pytest.param(GPU_TRITON, id="gpu-triton", marks=pytest.mark.gpu)])
 def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Env:
     from vllm_recoverssm.ops import triton_kda
 
@@ -64,7 +71,18 @@ def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Env:
     if not _available(e):
         pytest.skip("needs CUDA" if e.device == "cuda" else "needs TRITON_INTERPRET=1")
     monkeypatch.setattr(triton_kda, "TILE_OVERRIDE", e.tile)
+    monkeypatch.setattr(triton_kda, "VERIFY_KERNEL_OVERRIDE", e.kernel)
     return e
+
+
+def _kernel_for(env: Env, lb: float | None) -> None:
+    """Softplus gates always take the serial verify (the window ones need a bounded gate)."""
+    from vllm_recoverssm.ops import triton_kda
+
+    if lb is None:
+        if env.kernel == "window" and env.device == "cuda":
+            pytest.skip("the serial verify on the GPU runs in the 'gpu' environment")
+        triton_kda.VERIFY_KERNEL_OVERRIDE = "serial" if env.kernel else None
 
 
 def _lens(batch: int, S: int, gen: torch.Generator) -> list[int]:
@@ -114,6 +132,7 @@ def _run_step(env: Env, S: int, batch: int, lb: float | None, act: torch.dtype, 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_verify_and_commit_match_float64(env: Env, S: int, lb: float | None, act: torch.dtype):
+    _kernel_for(env, lb)
     for batch in env.batches:
         b, lens, pool, idx, corr, kg, accept = _run_step(env, S, batch, lb, act, seed=S + batch)
         ref_pool = pool.double()
@@ -324,3 +343,111 @@ def test_prebuilt_tables_are_used_and_checked(env: Env):
     with pytest.raises(ValueError, match="'tables': built for other pools"):
         ops.commit(a, corr, kg, b.A_log, b.dt_bias, plan, lower_bound=-5.0, backend="triton",
                    tables=tables)
+
+
+def _two_windows(env: Env, S: int, act: torch.dtype, seed: int):
+    """A first window verified into scratch rows 0..N-1, accepted counts, a second window."""
+    batch = env.batches[-1]
+    gen = torch.Generator().manual_seed(seed)
+    b1, lens1, pool, idx, _, _, accept = _run_step(env, S, batch, -5.0, act, seed=seed)
+    W, dev = S + 1, env.device
+    corr = torch.zeros(2 * batch, env.H, W, env.V, device=dev)
+    kg = torch.zeros(2 * batch, env.H, W, 2 * env.K, dtype=act, device=dev)
+    first = torch.arange(batch, dtype=torch.int32, device=dev)
+    ops.verify_recovery(*b1.tokens(), pool, idx, b1.query_start_loc.to(dev), corr, kg,
+                        lower_bound=-5.0, record_indices=first, backend="triton")
+    lens2 = _lens(batch, S, gen)
+    b2 = make_batch(lens2, env.H, env.K, env.V, device=dev, act_dtype=act, seed=seed + 1)
+    b2.A_log, b2.dt_bias = b1.A_log, b1.dt_bias  # the same layer
+    acc = torch.tensor(accept, dtype=torch.int32, device=dev)
+    return b2, pool, idx, corr, kg, first, acc
+
+
+@pytest.mark.parametrize("S", [3, 7])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_verify_is_commit_then_verify(env: Env, S: int, act: torch.dtype):
+    """verify_fused commits the previous records (the state bit for bit as commit) and then
+    verifies from that state (outputs and records bit for bit as verify_recovery), and the
+    result stays on the float64 oracle."""
+    if env.kernel == "serial" and env.device == "cpu" and S == 7:
+        pytest.skip("interpreted serial kernel: S = 3 covers it (CI time)")
+    b2, pool, idx, corr, kg, first, acc = _two_windows(env, S, act, seed=30 + S)
+    dev, batch = env.device, first.shape[0]
+    second = first + batch
+    qsl = b2.query_start_loc.to(dev)
+    ref_pool, ref_corr, ref_kg = pool.double(), corr.double(), kg.double()
+
+    fused = pool.clone()
+    f_corr, f_kg = corr.clone(), kg.clone()
+    out_f = ops.verify_fused(*b2.tokens(), fused, idx, qsl, f_corr, f_kg, acc, lower_bound=-5.0,
+                             record_indices=second, prev_record_indices=first, backend="triton")
+    sep = pool.clone()
+    s_corr, s_kg = corr.clone(), kg.clone()
+    ops.commit(sep, s_corr, s_kg, b2.A_log, b2.dt_bias, ops.CommitPlan(idx, acc),
+               lower_bound=-5.0, record_indices=first, backend="triton")
+    out_s = ops.verify_recovery(*b2.tokens(), sep, idx, qsl, s_corr, s_kg, lower_bound=-5.0,
+                                record_indices=second, backend="triton")
+    assert torch.equal(fused, sep)
+    assert torch.equal(out_f, out_s)
+    assert torch.equal(f_corr, s_corr) and torch.equal(f_kg, s_kg)
+
+    out_r = ops.verify_fused(*_f64(b2), ref_pool, idx, qsl, ref_corr, ref_kg, acc,
+                             lower_bound=-5.0, record_indices=second, prev_record_indices=first,
+                             backend="reference")
+    assert (fused.double() - ref_pool).abs().max() <= STATE_TOL
+    if act == torch.float32:
+        assert _fp32_out_ok(out_f, out_r)
+    else:
+        assert _bf16_ok(out_f, out_r)
+
+
+def test_fused_verify_with_a_wrong_pending_count_fails_the_check(env: Env):
+    """Negative control: one pending token too many is caught by the same float64 check."""
+    b2, pool, idx, corr, kg, first, acc = _two_windows(env, 3, torch.float32, seed=41)
+    dev, batch = env.device, first.shape[0]
+    qsl = b2.query_start_loc.to(dev)
+    ref_pool, ref_corr, ref_kg = pool.double(), corr.double(), kg.double()
+    wrong = torch.clamp(acc + 1, max=4)
+    ops.verify_fused(*b2.tokens(), pool, idx, qsl, corr, kg, wrong, lower_bound=-5.0,
+                     record_indices=first + batch, prev_record_indices=first, backend="triton")
+    ops.verify_fused(*_f64(b2), ref_pool, idx, qsl, ref_corr, ref_kg, acc, lower_bound=-5.0,
+                     record_indices=first + batch, prev_record_indices=first,
+                     backend="reference")
+    assert (pool.double() - ref_pool).abs().max() > 100 * STATE_TOL
+
+
+def test_fused_drift_over_16_windows_with_weak_decay(env: Env):
+    """16 steps of the fused path (each verify commits the previous window's accepted
+    records; a standalone commit after the last) stay on the float64 oracle."""
+    if env.kernel == "serial" and env.device == "cpu":
+        pytest.skip("interpreted serial kernel: the one-window fused test covers it (CI time)")
+    S, batch, W = 7, env.batches[0], 8
+    dev = env.device
+    pool = make_state(2 * batch + 3, env.H, env.V, env.K, device=dev, seed=6)
+    ref_pool = pool.double()
+    gen = torch.Generator().manual_seed(10)
+    idx = _scattered_slots(batch, pool.shape[0], gen).to(dev)
+    corr = torch.zeros(2 * batch, env.H, W, env.V, device=dev)
+    kg = torch.zeros(2 * batch, env.H, W, 2 * env.K, device=dev)
+    rc, rk = corr.double(), kg.double()
+    rows = torch.arange(batch, dtype=torch.int32, device=dev)
+    prev = torch.zeros(batch, dtype=torch.int32, device=dev)
+    for window in range(16):
+        lens = _lens(batch, S, gen)
+        b = make_batch(lens, env.H, env.K, env.V, device=dev, seed=2000 + window,
+                       gate_shift=-8.0)
+        qsl = b.query_start_loc.to(dev)
+        new, old = rows + (window % 2) * batch, rows + ((window + 1) % 2) * batch
+        ops.verify_fused(*b.tokens(), pool, idx, qsl, corr, kg, prev, lower_bound=-5.0,
+                         record_indices=new, prev_record_indices=old, backend="triton")
+        ops.verify_fused(*_f64(b), ref_pool, idx, qsl, rc, rk, prev, lower_bound=-5.0,
+                         record_indices=new, prev_record_indices=old, backend="reference")
+        prev = torch.tensor([int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lens],
+                            dtype=torch.int32, device=dev)
+        A_log, dt_bias = b.A_log, b.dt_bias
+    last = rows + (15 % 2) * batch
+    ops.commit(pool, corr, kg, A_log, dt_bias, ops.CommitPlan(idx, prev), lower_bound=-5.0,
+               record_indices=last, backend="triton")
+    ops.commit(ref_pool, rc, rk, A_log.double(), dt_bias.double(), ops.CommitPlan(idx, prev),
+               lower_bound=-5.0, record_indices=last, backend="reference")
+    assert (pool.double() - ref_pool).abs().max() <= STATE_TOL

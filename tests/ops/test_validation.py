@@ -134,3 +134,54 @@ def test_rejected_call_leaves_buffers_untouched():
                 state_indices=torch.tensor([0, 1, 99], dtype=torch.int32))
     assert (corr == 3.0).all()
     assert torch.equal(state, a["state"])
+
+
+def _fused(**over):
+    a = _args(corrections=torch.zeros(2 * N, H, W, V), kg=torch.zeros(2 * N, H, W, 2 * K))
+    a.update(prev_lens=torch.tensor([2, 0, 1], dtype=torch.int32),
+             record_indices=torch.tensor([3, 4, 5], dtype=torch.int32),
+             prev_record_indices=torch.tensor([0, 1, 2], dtype=torch.int32))
+    a.update(over)
+    return ops.verify_fused(
+        a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+        a["state"], a["state_indices"], a["query_start_loc"], a["corrections"], a["kg"],
+        a["prev_lens"], lower_bound=-5.0, record_indices=a["record_indices"],
+        prev_record_indices=a["prev_record_indices"], prev_corrections=a.get("pc"),
+        prev_kg=a.get("pk"),
+    )
+
+
+def test_valid_fused_arguments_pass():
+    _fused()
+    # rows that are not read (nothing pending) may be written
+    _fused(prev_record_indices=torch.tensor([0, 3, 2], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("over, pattern", [
+    (dict(prev_lens=torch.tensor([2, 5, 1], dtype=torch.int32)),
+     r"'prev_lens': expected values in 0..4, got \[2, 5, 1\]"),
+    (dict(prev_lens=torch.tensor([2, 0], dtype=torch.int32)),
+     r"'prev_lens': expected shape \[3\], got \[2\]"),
+    (dict(prev_lens=torch.tensor([2.0, 0.0, 1.0])), r"'prev_lens': expected dtype"),
+    (dict(prev_record_indices=torch.tensor([0, 1, 6], dtype=torch.int32)),
+     r"'prev_record_indices': index 6 is out of range, expected 0..5"),
+    (dict(prev_record_indices=torch.tensor([0, 1, 5], dtype=torch.int32)),
+     r"'prev_record_indices': rows \[5\] are read as previous records and written"),
+    (dict(prev_record_indices=None, record_indices=None),
+     r"'prev_record_indices': rows \[0, 2\] are read"),
+    (dict(pc=torch.zeros(N, H, W + 1, V), pk=torch.zeros(N, H, W + 1, 2 * K)),
+     r"'prev_corrections': expected a window of 4 columns"),
+    (dict(pc=torch.zeros(N, H, W, V), pk=torch.zeros(N, H, W, K)),
+     r"'prev_kg': expected shape \[3, 2, 4, 16\], got \[3, 2, 4, 8\]"),
+    (dict(pc=torch.zeros(N, H, W, V).double(), pk=torch.zeros(N, H, W, 2 * K)),
+     r"'prev_corrections': expected dtype float32, got float64"),
+])
+def test_bad_fused_argument_is_named(over, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _fused(**over)
+
+
+def test_fused_with_separate_previous_pools_may_reuse_rows():
+    """Separate pools for the previous records: the same row numbers do not clash."""
+    _fused(pc=torch.zeros(N, H, W, V), pk=torch.zeros(N, H, W, 2 * K),
+           record_indices=torch.tensor([0, 1, 2], dtype=torch.int32))

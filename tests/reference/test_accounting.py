@@ -22,8 +22,22 @@ def test_measured_bytes_equal_planner(
     _, rt = run(tiny_model, prompts, drafter, mode=mode, num_spec=num_spec,
                 prefix_caching=prefix_caching, block_size=4)
     assert rt.stats.peak_slots_per_request == rt.config.slots_per_request
+    # the fused commit (recovery without prefix caching) holds a second record row
+    assert rt.config.fused == (mode == "recovery" and not prefix_caching)
     assert measured_state_bytes(rt) == planned_state_bytes(
-        tiny_model.config, mode, num_spec, prefix_caching)
+        tiny_model.config, mode, num_spec, prefix_caching, fused=rt.config.fused)
+
+
+def test_fused_commit_holds_one_more_record_row(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]],
+) -> None:
+    drafter = oracle(tiny_model, prompts, references, 0.3)
+    _, fused = run(tiny_model, prompts, drafter, mode="recovery", num_spec=3)
+    _, separate = run(tiny_model, prompts, drafter, mode="recovery", num_spec=3,
+                      fused_commit=False)
+    row = separate.pools.record_row_bytes
+    assert row > 0 and fused.pools.record_rows == 2 * separate.pools.record_rows
+    assert measured_state_bytes(fused) == measured_state_bytes(separate) + row
 
 
 @pytest.mark.parametrize("config", [CPU_MODEL, GPU_MODEL], ids=["cpu", "gpu"])

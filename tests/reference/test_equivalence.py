@@ -56,15 +56,30 @@ def test_mtp_drafter_modes_agree(tiny_model: HybridModel, prompts: list[list[int
     assert rec_rt.stats.proposed_drafts > 0
 
 
+def test_fused_and_separate_commit_agree(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]]
+) -> None:
+    """The commit fused into the next verify gives the tokens of a commit after each step."""
+    drafter = oracle(tiny_model, prompts, references, 0.35)
+    fused, fused_rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3)
+    separate, sep_rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3,
+                           fused_commit=False)
+    assert fused_rt.config.fused and not sep_rt.config.fused
+    assert fused == separate == [r[:MAX_NEW] for r in references]
+    assert fused_rt.stats.accept_histogram == sep_rt.stats.accept_histogram
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("shift", [1, -1])
 def test_wrong_commit_count_breaks_equivalence(
-    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]], shift: int
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]], shift: int,
+    fused: bool,
 ) -> None:
     """Negative control: committing one token too many or too few changes the output."""
     drafter = oracle(tiny_model, prompts, references, 0.35)
     full, _ = run(tiny_model, prompts, drafter, mode=FULL_STATE, num_spec=3)
     wrong, _ = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3,
-                   debug_commit_shift=shift)
+                   debug_commit_shift=shift, fused_commit=fused)
     assert wrong != full
 
 
@@ -81,3 +96,17 @@ def test_runtime_on_the_triton_kernels(
                   prefix_caching=True, pad_decode_rows=True, max_running=4, backend="triton")
     assert out == [r[:8] for r in references[:3]]
     assert rt.stats.boundaries_mid_step > 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on a CPU need TRITON_INTERPRET=1")
+def test_runtime_fused_commit_on_the_triton_kernels(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]]
+) -> None:
+    """The fused verify kernel (interpreted) with padded null rows and requests that
+    finish at different steps (each flushed on its own)."""
+    few = prompts[:3]
+    drafter = oracle(tiny_model, few, references[:3], 0.3)
+    out, rt = run(tiny_model, few, drafter, mode=RECOVERY, num_spec=3, max_new=8,
+                  pad_decode_rows=True, max_running=4, backend="triton")
+    assert rt.config.fused and out == [r[:8] for r in references[:3]]

@@ -59,7 +59,12 @@ def test_recovery_matches_full_state_on_gpu(
     common = dict(num_spec=num_spec, max_model_len=LEN, block_size=8, max_new=MAX_NEW)
     rec, rec_rt = run(gpu_model, gpu_prompts, drafter, mode=RECOVERY, **common)  # type: ignore[arg-type]
     full, _ = run(gpu_model, gpu_prompts, drafter, mode=FULL_STATE, **common)  # type: ignore[arg-type]
+    assert rec_rt.config.fused  # the commit inside the next verify
     assert rec == full
+    if target == 0.5:
+        separate, _ = run(gpu_model, gpu_prompts, drafter, mode=RECOVERY, fused_commit=False,
+                          **common)  # type: ignore[arg-type]
+        assert separate == full
     if target == 0.0:
         assert rec_rt.stats.acceptance_rate == 0.0
     else:

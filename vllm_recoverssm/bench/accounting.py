@@ -12,7 +12,9 @@ bytes ``b`` and an FP32 state of ``V*K*4`` bytes:
 * record of one token: ``V*4`` (FP32 correction) + ``2K*b`` (raw k, raw g);
 * full-state verify: reads 1 state, writes ``T`` states, plus token I/O;
 * recovery verify: reads 1 state, writes ``T`` records, plus token I/O;
-* commit of ``n`` tokens: reads 1 state and ``n`` records, writes 1 state.
+* commit of ``n`` tokens: reads 1 state and ``n`` records, writes 1 state;
+* fused verify (the previous step's ``n`` accepted records committed inside this step's
+  verify): reads 1 state and ``n`` records, writes 1 state and ``T`` records, plus token I/O.
 
 Per layer each op also reads the gate parameters (``A_log`` [H] and ``dt_bias`` [H, K],
 FP32) once, and each launch reads its int32 index vectors. A stack of ``L`` layers is
@@ -97,6 +99,22 @@ def commit_bytes(shape: OpShape, batch: int, accepted: int, layers: int = 1) -> 
     # state_indices [B], commit_lens [B]: one launch for every layer
     index = 2 * batch * INDEX_BYTES
     return layers * (batch * shape.heads * per_head + shape.params_per_layer) + index
+
+
+def fused_verify_bytes(shape: OpShape, batch: int, accepted: int, layers: int = 1) -> int:
+    """Fused verify after ``accepted`` pending tokens: the commit's state traffic (1 read,
+    1 write) and ``accepted`` records read, plus the recovery verify's records and I/O."""
+    if not 0 <= accepted <= shape.tokens:
+        raise ValueError(
+            f"argument 'accepted': expected 0..{shape.tokens} (S+1), got {accepted}"
+        )
+    T = shape.tokens
+    per_head = shape.state_per_head * (2 if accepted else 1)
+    per_head += T * (shape.io_per_token + shape.record_per_token)
+    per_head += accepted * shape.record_per_token
+    # state_indices [B], query_start_loc [B+1], prev_lens [B]
+    index = (3 * batch + 1) * INDEX_BYTES
+    return layers * (batch * shape.heads * per_head + shape.params_per_layer + index)
 
 
 def full_state_bytes_per_request(shape: OpShape, layers: int = 1) -> int:

@@ -46,6 +46,7 @@ class BenchConfig:
     peer: bool
     mem_budget_gib: float | None
     seed: int = 0
+    fidelity: bool = True
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -68,6 +69,8 @@ class BenchConfig:
             parts.append(f"--mem-budget-gib {self.mem_budget_gib:g}")
         if not self.peer:
             parts.append("--no-peer")
+        if not self.fidelity:
+            parts.append("--no-fidelity")
         if self.seed:
             parts.append(f"--seed {self.seed}")
         return " ".join(parts)

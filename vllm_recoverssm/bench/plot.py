@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .report import RATIO_TARGET_LARGE, RATIO_TARGET_SMALL, SHORT
+from .report import FUSED_TARGET_LARGE, RATIO_TARGET_LARGE, RATIO_TARGET_SMALL, SHORT
 from .runner import OPS
 
 
@@ -48,7 +48,8 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False)
     roof = report["roof"]["gbps"]
     styles = {"fla_full": "k-", "ours_full": "C7-", "verify": "C0--", "commit_all": "C1--",
-              "commit_2": "C1:", "total_all": "C2-", "total_2": "C2:"}
+              "commit_2": "C1:", "total_all": "C2-", "total_2": "C2:", "fused_all": "C3-",
+              "fused_2": "C3:"}
     for j, S in enumerate(specs):
         for i, L in enumerate(layers):
             ax = axes[i][j]
@@ -74,19 +75,22 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
         ax = axes[-1][j]
         for k, L in enumerate(layers):
             rows = _rows(report, S, L)
-            for key, style in (("total_all/fla", "-"), ("total_2/fla", ":"),
-                               ("total_all/ours_full", "--")):
+            for key, style, marker in (("total_all/fla", "-", "o"), ("total_2/fla", ":", "o"),
+                                       ("fused_all/fla", "-", "s"), ("fused_2/fla", ":", "s")):
                 pts = [(r["batch"], r["ratios"][key]) for r in rows
                        if r["ratios"].get(key) is not None]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), f"C{k}{style}", marker="o", ms=3,
+                    ax.plot(*zip(*pts, strict=True), f"C{k}{style}", marker=marker, ms=3,
                             label=f"{key}, L={L}")
         if S in RATIO_TARGET_LARGE:
             ax.axhline(RATIO_TARGET_LARGE[S], color="r", lw=0.8, ls="--",
-                       label=f"target {RATIO_TARGET_LARGE[S]} (batch >= 32)")
+                       label=f"recovery target {RATIO_TARGET_LARGE[S]} (batch >= 128)")
+        if S in FUSED_TARGET_LARGE:
+            ax.axhline(FUSED_TARGET_LARGE[S], color="m", lw=0.8, ls="--",
+                       label=f"fused target {FUSED_TARGET_LARGE[S]} (batch >= 128)")
         ax.axhline(RATIO_TARGET_SMALL, color="0.5", lw=0.8)
         _batch_axis(ax, sorted({r["batch"] for r in report["rows"]}))
-        ax.set_title(f"S = {S}: recovery verify + commit / full-state")
+        ax.set_title(f"S = {S}: recovery and fused / fla-core full-state")
         ax.set_xlabel("batch")
         ax.set_ylabel("time ratio")
         ax.grid(True, which="both", alpha=0.3)

@@ -12,14 +12,17 @@ from .runner import OP_TITLES, OPS, RATIOS
 
 SHORT = {"fla_full": "fla", "ours_full": "ours-full", "verify": "verify",
          "commit_all": "commit-all", "commit_2": "commit-2", "total_all": "total-all",
-         "total_2": "total-2"}
+         "total_2": "total-2", "fused_all": "fused-all", "fused_2": "fused-2"}
 RATIO_SHORT = {"total_all/fla": "all/fla", "total_2/fla": "2/fla",
-               "total_all/ours_full": "all/ours", "total_2/ours_full": "2/ours"}
+               "total_all/ours_full": "all/ours", "total_2/ours_full": "2/ours",
+               "fused_all/fla": "f-all/fla", "fused_2/fla": "f-2/fla"}
 
-# The issue's targets on an H200 (ratios against fla-core from the same run).
-RATIO_TARGET_LARGE = {3: 0.60, 7: 0.40}  # batch >= 32
+# The issue's targets on an H200 (ratios against fla-core from the same run), by S:
+RATIO_TARGET_LARGE = {3: 0.46, 7: 0.27}  # recovery (verify + commit), batch >= 128
+FUSED_TARGET_LARGE = {3: 0.33, 7: 0.20}  # fused verify, batch >= 128
+RATIO_TARGET_MID = {3: 0.60, 7: 0.40}  # recovery and fused, batch 32
 RATIO_TARGET_SMALL = 1.0  # batch 1 and 8
-BANDWIDTH_TARGET = 0.75  # of the copy roof, verify and each commit, batch >= 128
+BANDWIDTH_TARGET = 0.80  # of the copy roof: recovery verify, batch >= 128
 
 
 def _fmt(x: float | None, digits: int = 4) -> str:
@@ -46,29 +49,42 @@ def _present_ops(report: dict[str, Any]) -> list[str]:
     return [n for n in OPS if n in seen]
 
 
+def _ratio_limits(S: int, B: int) -> tuple[float | None, float | None]:
+    """(recovery limit, fused limit) over fla-core at this S and batch, if any."""
+    if B >= 128:
+        return RATIO_TARGET_LARGE.get(S), FUSED_TARGET_LARGE.get(S)
+    if B == 32:
+        return RATIO_TARGET_MID.get(S), RATIO_TARGET_MID.get(S)
+    if B in (1, 8):
+        return RATIO_TARGET_SMALL, RATIO_TARGET_SMALL
+    return None, None
+
+
 def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Check every row against the issue's speed targets; one entry per applicable check."""
+    """Check every row against the issue's speed targets and every fidelity measurement
+    against its bounds; one entry per applicable check."""
+    from .fidelity import checks as fidelity_checks
+
     out: list[dict[str, Any]] = []
     for r in report["rows"]:
         S, B, L = r["num_spec"], r["batch"], r["layers"]
         where = {"num_spec": S, "batch": B, "layers": L}
-        limit = None
-        if B >= 32:
-            limit = RATIO_TARGET_LARGE.get(S)
-        elif B in (1, 8):
-            limit = RATIO_TARGET_SMALL
-        if limit is not None:
-            for key in ("total_all/fla", "total_2/fla"):
+        rec_limit, fused_limit = _ratio_limits(S, B)
+        for keys, limit in ((("total_all/fla", "total_2/fla"), rec_limit),
+                            (("fused_all/fla", "fused_2/fla"), fused_limit)):
+            if limit is None:
+                continue
+            for key in keys:
                 value = r["ratios"].get(key)
                 if value is not None:
                     out.append({**where, "check": key, "value": value, "limit": limit,
                                 "met": value <= limit})
-        if B >= 128:
-            for name in ("verify", "commit_all", "commit_2"):
-                if name in r["ops"]:
-                    value = r["ops"][name]["roof_frac"]
-                    out.append({**where, "check": f"{name} roof fraction", "value": value,
-                                "limit": BANDWIDTH_TARGET, "met": value >= BANDWIDTH_TARGET})
+        if B >= 128 and "verify" in r["ops"]:
+            value = r["ops"]["verify"]["roof_frac"]
+            out.append({**where, "check": "verify roof fraction", "value": value,
+                        "limit": BANDWIDTH_TARGET, "met": value >= BANDWIDTH_TARGET})
+    for fid in report.get("fidelity", []):
+        out += fidelity_checks(fid)
     return out
 
 
@@ -135,6 +151,22 @@ def format_text(report: dict[str, Any]) -> str:
         ])
     lines += _table(head, rows)
 
+    fids = report.get("fidelity", [])
+    if fids:
+        lines += ["", "Fidelity: max |committed state - float64| (states N(0, 0.1^2), inputs "
+                  f"N(0, 1), raw gates shifted by {fids[0]['gate_shift']:g}: weak decay; "
+                  "accepted 1..S+1 at random)"]
+        names = [n for n in ("recovery", "fused", "ours_full", "fla_full")
+                 if any(n in f["methods"] for f in fids)]
+        head = ["S", "B", "windows", *(f"{n} 1 / {fids[0]['windows']}" for n in names)]
+        rows = []
+        for f in fids:
+            cells = [str(f["num_spec"]), str(f["batch"]), str(f["windows"])]
+            for n in names:
+                m = f["methods"].get(n)
+                cells.append(f"{m['one_window']:.2e} / {m['drift']:.2e}" if m else "-")
+            rows.append(cells)
+        lines += _table(head, rows)
     targets = evaluate_targets(report)
     lines += [""]
     if targets:

@@ -20,7 +20,7 @@ from .timing import Op, Timer, Timing, make_timer, measure_roof
 
 # Column order of every table and plot.
 OPS: tuple[str, ...] = ("fla_full", "ours_full", "verify", "commit_all", "commit_2",
-                        "total_all", "total_2")
+                        "total_all", "total_2", "fused_all", "fused_2")
 OP_TITLES = {
     "fla_full": "fla-core full-state verify (peer)",
     "ours_full": "our full-state verify",
@@ -29,22 +29,30 @@ OP_TITLES = {
     "commit_2": "commit, 2 accepted",
     "total_all": "recovery verify + commit (all accepted)",
     "total_2": "recovery verify + commit (2 accepted)",
+    "fused_all": "fused verify: the previous step's S+1 accepted committed inside it",
+    "fused_2": "fused verify: the previous step's 2 accepted committed inside it",
 }
 RATIOS: tuple[tuple[str, str, str], ...] = (
     ("total_all/fla", "total_all", "fla_full"),
     ("total_2/fla", "total_2", "fla_full"),
     ("total_all/ours_full", "total_all", "ours_full"),
     ("total_2/ours_full", "total_2", "ours_full"),
+    ("fused_all/fla", "fused_all", "fla_full"),
+    ("fused_2/fla", "fused_2", "fla_full"),
 )
 AUTO_BUDGET_FRACTION = 0.8  # of the free device memory at start: pools of one mode at a time
 CPU_BUDGET_BYTES = 1 * GIB
-SCHEMA = "recoverssm-bench/1"
+SCHEMA = "recoverssm-bench/2"
+FIDELITY_BATCH = 8
 
 
 def op_bytes(name: str, shape: acc.OpShape, batch: int, layers: int) -> int:
     """Unique bytes of one measured op (see :mod:`accounting`)."""
     if name in ("fla_full", "ours_full"):
         return acc.full_verify_bytes(shape, batch, layers)
+    if name.startswith("fused"):
+        return acc.fused_verify_bytes(shape, batch, shape.tokens if name.endswith("_all") else 2,
+                                      layers)
     verify = acc.recovery_verify_bytes(shape, batch, layers)
     if name == "verify":
         return verify
@@ -176,7 +184,8 @@ def _point(cfg: BenchConfig, timer: Timer, S: int, B: int, L: int, budget: int,
         _free(dev)
 
     # recovery mode: distinct pools for every layer (the commit updates all in one launch)
-    rec_names = ["verify", "commit_all", "commit_2", "total_all", "total_2"]
+    rec_names = ["verify", "commit_all", "commit_2", "total_all", "total_2", "fused_all",
+                 "fused_2"]
     if wl.recovery_pool_bytes(shape, B) * L > pool_budget:
         row["distinct_pools"]["recovery"] = 0
         for n in rec_names:
@@ -206,8 +215,9 @@ def run(cfg: BenchConfig, progress_enabled: bool = True) -> dict[str, Any]:
     timer = make_timer(dev, cfg.smoke, int(cfg.flush_mib * MIB), cfg.warmup, cfg.reps)
     budget = _budget(cfg, dev)
     grid = cfg.grid()
-    per_point = 6 + (1 if peer.available else 0)
-    progress = Progress(1 + per_point * len(grid), enabled=progress_enabled, stream=sys.stderr)
+    per_point = 8 + (1 if peer.available else 0)
+    total = 1 + per_point * len(grid) + (len(cfg.num_spec) if cfg.fidelity else 0)
+    progress = Progress(total, enabled=progress_enabled, stream=sys.stderr)
     notes: list[str] = []
     if not cfg.smoke and cfg.reps < METHOD_MIN_REPS:
         notes.append(f"reps = {cfg.reps}, below the method's {METHOD_MIN_REPS}")
@@ -226,6 +236,20 @@ def run(cfg: BenchConfig, progress_enabled: bool = True) -> dict[str, Any]:
         check = peer.available and B == check_batch and L == cfg.layers[0]
         rows.append(_point(cfg, timer, S, B, L, budget, roof_gbps, peer.fwd, progress, check))
         _free(dev)  # the point's inputs and pools are gone: return their memory
+    fid_rows = []
+    if cfg.fidelity:
+        from . import fidelity
+
+        for S in cfg.num_spec:
+            progress.step(f"fidelity S={S}")
+            try:
+                fid_rows.append(fidelity.measure(
+                    dev, cfg.heads, cfg.head_dim, cfg.act_dtype, S,
+                    2 if cfg.smoke else FIDELITY_BATCH, cfg.backend, peer.fwd, seed=cfg.seed,
+                    windows=3 if cfg.smoke else fidelity.WINDOWS))
+            except Exception as exc:  # noqa: BLE001 - a failed check is a note, not a crash
+                notes.append(f"fidelity S={S} failed: {_why(exc)}")
+            _free(dev)
     progress.close()
     return {
         "schema": SCHEMA,
@@ -244,5 +268,6 @@ def run(cfg: BenchConfig, progress_enabled: bool = True) -> dict[str, Any]:
         "roof": {"bytes": moved, **roof_t.as_dict(), "gbps": roof_gbps},
         "peer": {"available": peer.available, "reason": peer.reason},
         "rows": rows,
+        "fidelity": fid_rows,
         "notes": notes,
     }

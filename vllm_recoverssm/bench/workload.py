@@ -115,9 +115,10 @@ def full_pool_bytes(shape: OpShape, batch: int) -> int:
 
 
 def recovery_pool_bytes(shape: OpShape, batch: int) -> int:
-    """One layer's recovery pool: one checkpoint per request plus its scratch records."""
+    """One layer's recovery pool: one checkpoint per request plus two scratch rows of
+    records (the fused verify reads one half and writes the other)."""
     records = batch * shape.heads * shape.tokens * shape.record_per_token
-    return batch * shape.heads * shape.state_per_head + records
+    return batch * shape.heads * shape.state_per_head + 2 * records
 
 
 @dataclass
@@ -267,10 +268,42 @@ def full_ops(step: Step, full: FullPools, fla: peer_mod.FlaFwd | None) -> dict[s
     return out
 
 
+def _fused_layer(step: Step, rec: RecoveryPools, prev: list[tuple[torch.Tensor, torch.Tensor]],
+                 prev_lens: torch.Tensor, layer: int, validate: bool) -> torch.Tensor:
+    x = step.inputs[layer]
+    pc, pk = prev[layer]
+    return ops.verify_fused(
+        x.q, x.k, x.v, x.raw_g, x.raw_beta, step.A_log[layer], step.dt_bias[layer],
+        rec.states[layer], rec.state_indices, step.query_start_loc, rec.corrections[layer],
+        rec.kg[layer], prev_lens, lower_bound=LOWER_BOUND, prev_corrections=pc, prev_kg=pk,
+        backend=step.backend, validate=validate,
+    )
+
+
+def _fused_op(step: Step, rec: RecoveryPools, prev: list[tuple[torch.Tensor, torch.Tensor]],
+              accepted: int) -> Op:
+    """The fused verify of every layer after ``accepted`` pending tokens per request.
+
+    The previous step's records sit in their own pools (the other half of a double
+    buffer), so every replay commits the same records and verifies the same window.
+    """
+    lens = torch.full((step.batch,), accepted, dtype=torch.int32, device=step.device)
+    for layer in range(step.layers):
+        _fused_layer(step, rec, prev, lens, layer, validate=True)
+
+    def op() -> None:
+        for layer in range(step.layers):
+            _fused_layer(step, rec, prev, lens, layer, validate=False)
+
+    return op
+
+
 def recovery_ops(step: Step, rec: RecoveryPools) -> dict[str, Op]:
-    """Recovery verify, commit (all / 2 accepted) and verify + commit over every layer."""
+    """Recovery verify, commit (all / 2 accepted), verify + commit and the fused verify
+    (the previous step's all / 2 accepted records committed inside it) over every layer."""
     for layer in range(step.layers):  # validates, and fills the records the commits replay
         _verify_layer(step, rec, layer, validate=True)
+    prev = [(c.clone(), k.clone()) for c, k in zip(rec.corrections, rec.kg, strict=True)]
 
     def verify() -> None:
         for layer in range(step.layers):
@@ -288,7 +321,9 @@ def recovery_ops(step: Step, rec: RecoveryPools) -> dict[str, Op]:
         commit_two()
 
     return {"verify": verify, "commit_all": commit_all, "commit_2": commit_two,
-            "total_all": total_all, "total_2": total_two}
+            "total_all": total_all, "total_2": total_two,
+            "fused_all": _fused_op(step, rec, prev, step.shape.tokens),
+            "fused_2": _fused_op(step, rec, prev, 2)}
 
 
 def peer_agreement(step: Step, full: FullPools, fla: peer_mod.FlaFwd) -> dict[str, float]:

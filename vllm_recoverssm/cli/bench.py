@@ -88,6 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--mem-budget-gib", metavar="GIB",
                    help="memory for one mode's state pools (default 80%% of free memory)")
     p.add_argument("--no-peer", action="store_true", help="skip fla-core's column")
+    p.add_argument("--no-fidelity", action="store_true",
+                   help="skip the committed-state fidelity runs against float64")
     p.add_argument("--seed", default="0", metavar="N", help="random seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
@@ -130,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> grid.BenchConfig:
         roof_gib=float(pick("--roof-gib")),
         backend=backend,
         peer=not args.no_peer,
+        fidelity=not args.no_fidelity,
         mem_budget_gib=_value(args, "--mem-budget-gib"),
         seed=int(_value(args, "--seed")),
     )

@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    type=Directory("the checkpoint directory", create=True),
                    help="with --checkpoint disk: keep the bundles in DIR (default: a "
                         "temporary directory, removed afterwards)")
+    p.add_argument("--separate-commit", action="store_true",
+                   help="recovery: commit after each step on its own instead of inside the "
+                        "next step's verify")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying a CUDA graph")
     p.add_argument("--threads", type=Int(1, MAX_THREADS), default=1,
@@ -138,7 +141,10 @@ def format_report(report: DemoReport) -> str:
     drafter = report.drafter
     if report.corruption is not None:
         drafter += f" (greedy continuation, {report.corruption:.0%} of drafts corrupted)"
-    lines += [f"  drafter  {drafter}", ""]
+    lines += [f"  drafter  {drafter}"]
+    if report.commit:
+        lines.append(f"  commit   {report.commit}")
+    lines.append("")
     header = (f"{'mode':<11} {'tokens/s':>9} {'steps':>6} {'accepted':>9}  "
               f"{'accept lengths 0..S':<22} {'state/request':>14} {'planner':>14}")
     lines += [header, "-" * len(header)]
@@ -277,6 +283,7 @@ def validate(args: argparse.Namespace) -> DemoOptions:
             cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,
             checkpoint=args.checkpoint,
             checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
+            fused_commit=not args.separate_commit,
         )
     except ValueError as exc:  # the flags above are checked; this is the runtime's last word
         raise UsageError(str(exc)) from None

@@ -12,6 +12,7 @@ from .api import (
     conv_compact,
     conv_update,
     verify_full,
+    verify_fused,
     verify_recovery,
 )
 from .reference import (
@@ -41,5 +42,6 @@ __all__ = [
     "l2_normalize",
     "prefill",
     "verify_full",
+    "verify_fused",
     "verify_recovery",
 ]

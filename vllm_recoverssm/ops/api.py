@@ -127,6 +127,70 @@ def _lower_bound(lower_bound: float | None) -> float | None:
     return lower_bound
 
 
+def _check_records(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor,
+    raw_beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
+    corrections: torch.Tensor, kg: torch.Tensor, record_indices: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """The recovery verify's checks; returns (requests N, window W, record rows R)."""
+    T, H, K, V = check_token_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state)
+    dev = state.device
+    n = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES, device=dev,
+                     contiguous=True)
+    if n.dim() != 1:
+        raise ValueError(
+            f"argument 'state_indices': expected shape [N] (one checkpoint slot per "
+            f"request), got {list(n.shape)}"
+        )
+    N = n.shape[0]
+    W, R = _check_record_pool("corrections", "kg", corrections, kg, state, q.dtype, H, K, V)
+    check_index_range("state_indices", n, state.shape[0], True)
+    check_query_start_loc(query_start_loc, N, T, W, dev)
+    _check_rows("record_indices", "corrections", record_indices, N, R, dev)
+    return N, W, R
+
+
+def _check_record_pool(
+    corr_name: str, kg_name: str, corrections: torch.Tensor, kg: torch.Tensor,
+    state: torch.Tensor, act_dtype: torch.dtype, H: int, K: int, V: int, window: int = 0,
+) -> tuple[int, int]:
+    """Shapes of a record pool ``[R, H, W, V]`` + ``[R, H, W, 2K]``; returns (W, R)."""
+    dev = state.device
+    check_tensor(corr_name, corrections, dtypes=(state.dtype,), device=dev)
+    if corrections.dim() != 4 or corrections.shape[1] != H or corrections.shape[3] != V:
+        raise ValueError(
+            f"argument '{corr_name}': expected shape [R, {H}, S+1, {V}], got "
+            f"{list(corrections.shape)}"
+        )
+    W = corrections.shape[2]
+    check_num_spec(corr_name, W)
+    if window and W != window:
+        raise ValueError(
+            f"argument '{corr_name}': expected a window of {window} columns like the new "
+            f"records, got {W}"
+        )
+    check_inner_contiguous(corr_name, corrections, 3)
+    R = corrections.shape[0]
+    check_tensor(kg_name, kg, dtypes=(act_dtype,), shape=[R, H, W, 2 * K], device=dev)
+    check_inner_contiguous(kg_name, kg, 3)
+    return W, R
+
+
+def _check_rows(name: str, pool: str, rows: torch.Tensor | None, N: int, R: int,
+                dev: torch.device) -> None:
+    """``rows`` is ``[N]`` in ``0..R-1`` (negative: none), or None (row ``i``: R >= N)."""
+    if rows is None:
+        if R < N:
+            raise ValueError(
+                f"argument '{pool}': expected at least {N} record rows (one per "
+                f"request), got {R}"
+            )
+        return
+    check_tensor(name, rows, dtypes=INDEX_DTYPES, shape=[N], device=dev, contiguous=True)
+    check_index_range(name, rows, R, True)
+
+
 def verify_recovery(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,40 +217,8 @@ def verify_recovery(
     ``kg[r, h, t, :]`` for ``r = record_indices[i]`` (default ``i``: a scratch area).
     """
     if validate:
-        T, H, K, V = check_token_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state)
-        dev = state.device
-        n = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES, device=dev,
-                         contiguous=True)
-        if n.dim() != 1:
-            raise ValueError(
-                f"argument 'state_indices': expected shape [N] (one checkpoint slot per "
-                f"request), got {list(n.shape)}"
-            )
-        N = n.shape[0]
-        check_tensor("corrections", corrections, dtypes=(state.dtype,), device=dev)
-        if corrections.dim() != 4 or corrections.shape[1] != H or corrections.shape[3] != V:
-            raise ValueError(
-                f"argument 'corrections': expected shape [R, {H}, S+1, {V}], got "
-                f"{list(corrections.shape)}"
-            )
-        W = corrections.shape[2]
-        check_num_spec("corrections", W)
-        check_inner_contiguous("corrections", corrections, 3)
-        R = corrections.shape[0]
-        check_tensor("kg", kg, dtypes=(q.dtype,), shape=[R, H, W, 2 * K], device=dev)
-        check_inner_contiguous("kg", kg, 3)
-        check_index_range("state_indices", n, state.shape[0], True)
-        check_query_start_loc(query_start_loc, N, T, W, dev)
-        if record_indices is None:
-            if R < N:
-                raise ValueError(
-                    f"argument 'corrections': expected at least {N} record rows (one per "
-                    f"request), got {R}"
-                )
-        else:
-            check_tensor("record_indices", record_indices, dtypes=INDEX_DTYPES, shape=[N],
-                         device=dev, contiguous=True)
-            check_index_range("record_indices", record_indices, R, True)
+        _check_records(q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+                       query_start_loc, corrections, kg, record_indices)
     lb = _lower_bound(lower_bound)
     if _use_triton(backend, state.device):
         from .triton_kda import verify_recovery_triton
@@ -198,6 +230,92 @@ def verify_recovery(
     return ref.verify_recovery(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices, query_start_loc,
         corrections, kg, lb, record_indices=record_indices, out_dtype=q.dtype,
+    )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return bool(sa.data_ptr() == sb.data_ptr())
+
+
+def verify_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    corrections: torch.Tensor,
+    kg: torch.Tensor,
+    prev_lens: torch.Tensor,
+    *,
+    lower_bound: float | None,
+    record_indices: torch.Tensor | None = None,
+    prev_record_indices: torch.Tensor | None = None,
+    prev_corrections: torch.Tensor | None = None,
+    prev_kg: torch.Tensor | None = None,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Commit fused into the next verify: one launch, the state read once and written once.
+
+    Request ``i`` first replays the ``prev_lens[i]`` accepted records of its previous step
+    (rows ``prev_record_indices[i]``, default ``i``, of ``prev_corrections`` / ``prev_kg``,
+    default the same pools as this step's records) into its checkpoint
+    ``state[state_indices[i]]`` and writes the committed state back in place, then runs
+    :func:`verify_recovery` on this step's tokens from that state, writing its records
+    to rows ``record_indices[i]``. ``prev_lens[i] == 0`` (nothing pending) makes it a plain
+    recovery verify. Rows that are read as previous records must not be written as new
+    ones (double-buffer the scratch, e.g. by step parity). Returns outputs in ``q.dtype``.
+    The committed state equals :func:`commit` of the same records bit for bit (Triton).
+    """
+    pc = corrections if prev_corrections is None else prev_corrections
+    pk = kg if prev_kg is None else prev_kg
+    if validate:
+        N, W, R = _check_records(q, k, v, raw_g, raw_beta, A_log, dt_bias, state,
+                                 state_indices, query_start_loc, corrections, kg,
+                                 record_indices)
+        _, H, V, K = state.shape
+        _, R_prev = _check_record_pool("prev_corrections", "prev_kg", pc, pk, state, q.dtype,
+                                       H, K, V, window=W)
+        dev = state.device
+        check_tensor("prev_lens", prev_lens, dtypes=INDEX_DTYPES, shape=[N], device=dev,
+                     contiguous=True)
+        if N and (int(prev_lens.min()) < 0 or int(prev_lens.max()) > W):
+            raise ValueError(
+                f"argument 'prev_lens': expected values in 0..{W}, got {prev_lens.tolist()}"
+            )
+        _check_rows("prev_record_indices", "prev_corrections", prev_record_indices, N,
+                    R_prev, dev)
+        if N and (_overlaps(pc, corrections) or _overlaps(pk, kg)):
+            new = set(range(N)) if record_indices is None else set(record_indices.tolist())
+            old = list(range(N)) if prev_record_indices is None else \
+                prev_record_indices.tolist()
+            read = {r for r, n in zip(old, prev_lens.tolist(), strict=True) if n > 0 and r >= 0}
+            clash = sorted(read & {r for r in new if r >= 0})
+            if clash:
+                raise ValueError(
+                    f"argument 'prev_record_indices': rows {clash[:8]} are read as previous "
+                    "records and written as new ones in the same pool; use other rows "
+                    "(e.g. alternate halves of the scratch by step parity)"
+                )
+    lb = _lower_bound(lower_bound)
+    if _use_triton(backend, state.device):
+        from .triton_kda import verify_fused_triton
+
+        return verify_fused_triton(
+            q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+            query_start_loc, corrections, kg, lb, record_indices,
+            (pc, pk, prev_record_indices, prev_lens),
+        )
+    return ref.verify_fused(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices, query_start_loc,
+        corrections, kg, pc, pk, prev_lens, lb, record_indices=record_indices,
+        prev_record_indices=prev_record_indices, out_dtype=q.dtype,
     )
 
 

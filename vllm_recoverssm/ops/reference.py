@@ -218,6 +218,41 @@ def verify_recovery(
     return out
 
 
+def verify_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    corrections: torch.Tensor,
+    kg: torch.Tensor,
+    prev_corrections: torch.Tensor,
+    prev_kg: torch.Tensor,
+    prev_lens: torch.Tensor,
+    lower_bound: float | None,
+    record_indices: torch.Tensor | None = None,
+    prev_record_indices: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Deferred commit, then recovery verify: the fused step, written as its two parts.
+
+    Request ``i`` first commits the ``prev_lens[i]`` records of the previous step (rows
+    ``prev_record_indices[i]`` of ``prev_corrections`` / ``prev_kg``, default ``i``) into its
+    checkpoint in place, then verifies this step's tokens from the committed state as
+    :func:`verify_recovery` does. Returns the outputs ``[T, H, V]``.
+    """
+    commit(state, prev_corrections, prev_kg, A_log, dt_bias, state_indices, prev_lens,
+           lower_bound, record_indices=prev_record_indices)
+    return verify_recovery(q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+                           query_start_loc, corrections, kg, lower_bound,
+                           record_indices=record_indices, out_dtype=out_dtype)
+
+
 def commit(
     state: torch.Tensor,
     corrections: torch.Tensor,

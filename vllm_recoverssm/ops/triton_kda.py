@@ -1,23 +1,27 @@
-"""Triton kernels for KDA speculative verify (recovery and full-state) and commit.
+"""Triton kernels for KDA speculative verify (serial form) and commit, and their launches.
 
-A decode step is memory-bound: each (request, head) reads a 64 KiB FP32 state and does
-little arithmetic per byte. What decides the speed is how many bytes are in flight, so
-every kernel here is straight-line code: the token loop is unrolled over the S+1 columns
+Verify has two kernels. The window kernel (:mod:`.triton_window`) computes a whole window
+against the checkpoint in one tensor-core product and is used wherever it applies (a
+bounded gate, SM80 or newer, or the interpreter); the serial kernel here runs the token
+recurrence in registers and serves every other gate. Both read the checkpoint once and
+have a ``FUSED`` form that first replays the previous step's accepted records (the
+deferred commit). :func:`verify_kernel` says which one a call gets.
+
+The serial kernel is straight-line code: the token loop is unrolled over the S+1 columns
 with masked loads (no per-token branches), which lets all of a program's loads be issued
 up front instead of paying one memory latency per token. Tokens past a request's length
 run as no-ops (decay 1, correction 0). Each program owns a [BV, K] tile of one head's
-state (K contiguous), so the reductions over K stay inside a warp. The tile is held as
-two [BV, K/2] chunks, which spreads a row over half as many lanes: the chunks' products
-are added in registers and one reduction with one shuffle level less follows; with one
-warp per 16-row tile this took the recovery verify at batch 256 from 0.442 to 0.31 ms at
-S=3 and from 0.849 to 0.64 ms at S=7 (H200; ``recoverssm bench`` figures in the README).
+state (K contiguous), held as two [BV, K/2] chunks, which spreads a row over half as many
+lanes: the chunks' products are added in registers and one reduction with one shuffle
+level less follows (H200: recovery verify at batch 256 from 0.442 to 0.31 ms at S=3 and
+from 0.849 to 0.64 ms at S=7 against one chunk).
 
-Tried and measured slower on an H200 (H=32, K=V=128, batch 256): a factored verify that
-replaces the token loop by a unit-triangular solve after one ``S0 @ [e^G k^ | e^G q^]``
-product (its small fp32 matrix products dominate); four K-chunks (register pressure from
-the per-token key/query/gate vectors); and both per-token reductions taken from the
-undecayed state so that they are independent (no faster). Commit uses a runtime token
-loop: rejected tokens then cost nothing.
+Commit uses a runtime token loop: rejected tokens then cost nothing (unrolling it with
+masked loads, so that all records are requested up front, on one K-chunk, measured 18-67%
+slower on an H200 at batch 256, S = 3 and 7, all or 2 tokens accepted). Every kernel rebuilds states with the update of
+:func:`.triton_math.apply_record` and normalises keys in float64, so commit, the
+full-state verify and the fused verify agree bit for bit whatever their tiles
+(:mod:`.triton_math` says why); each kernel therefore takes its own tile.
 """
 
 from __future__ import annotations
@@ -26,30 +30,35 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cuda_window
+from . import triton_window as win
 from .api import CommitPlan
-
-
-@triton.jit
-def _gate(raw_g, a_coef, dt_bias, LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr):
-    x = raw_g + dt_bias
-    if BOUNDED:
-        g = LOWER_BOUND * tl.sigmoid(a_coef * x)
-    else:
-        # softplus with the usual linear tail for large inputs (no overflow in exp)
-        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -a_coef * sp
-    return g
+from .triton_math import gate, sumsq
 
 
 @triton.jit
 def _unit_chunks(x0, x1, NCH: tl.constexpr, EPS: tl.constexpr):
-    """Chunks of one vector divided by its L2 norm; the norm is summed chunk-wise first,
-    so verify and commit (same chunks, same tile) reduce it in the same order."""
-    sq = x0 * x0
+    """Chunks of one vector divided by its L2 norm (float64 sum of squares: the same bits
+    as :func:`.triton_math.unit` on the whole vector)."""
+    ss = sumsq(x0)
     if NCH == 2:
-        sq += x1 * x1
-    norm = tl.sqrt(tl.sum(sq, axis=0) + EPS)
+        ss += sumsq(x1)
+    norm = tl.sqrt(ss.to(tl.float32) + EPS)
     return x0 / norm, x1 / norm
+
+
+@triton.jit
+def _apply_chunks(s0, s1, c, raw_k0, raw_k1, raw_g0, raw_g1, live, a_coef, dtb0, dtb1,
+                  NCH: tl.constexpr, LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr,
+                  EPS: tl.constexpr):
+    """:func:`.triton_math.apply_record` on a tile held as ``NCH`` K-chunks."""
+    k0, k1 = _unit_chunks(raw_k0, raw_k1, NCH, EPS)
+    a0 = tl.where(live, tl.exp(gate(raw_g0, a_coef, dtb0, LOWER_BOUND, BOUNDED)), 1.0)
+    s0 = tl.fma(c[:, None], k0[None, :], s0 * a0[None, :])
+    if NCH == 2:
+        a1 = tl.where(live, tl.exp(gate(raw_g1, a_coef, dtb1, LOWER_BOUND, BOUNDED)), 1.0)
+        s1 = tl.fma(c[:, None], k1[None, :], s1 * a1[None, :])
+    return s0, s1
 
 
 @triton.jit
@@ -59,11 +68,13 @@ def _verify_kernel(
     state_ptr, stride_state_slot,
     sidx_ptr, nacc_ptr, qsl_ptr,
     corr_ptr, stride_corr_row, kg_ptr, stride_kg_row, ridx_ptr,
+    pcorr_ptr, stride_pcorr_row, pkg_ptr, stride_pkg_row, pridx_ptr, plen_ptr,
     out_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     NCH: tl.constexpr, NCOLS: tl.constexpr,
     LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr,
-    FULL_STATE: tl.constexpr, HAS_RIDX: tl.constexpr, EPS: tl.constexpr, SCALE: tl.constexpr,
+    FULL_STATE: tl.constexpr, FUSED: tl.constexpr, HAS_RIDX: tl.constexpr,
+    HAS_PRIDX: tl.constexpr, EPS: tl.constexpr, SCALE: tl.constexpr,
 ):
     KC: tl.constexpr = K // NCH
     pid_v = tl.program_id(0)
@@ -71,8 +82,9 @@ def _verify_kernel(
     h = tl.program_id(2)
     start = tl.load(qsl_ptr + n).to(tl.int64)
     ntok = tl.load(qsl_ptr + n + 1).to(tl.int64) - start
-    if ntok <= 0:
-        return
+    if not FUSED:
+        if ntok <= 0:
+            return
     vv = pid_v * BV + tl.arange(0, BV)
     kc = tl.arange(0, KC)
     if FULL_STATE:
@@ -99,6 +111,33 @@ def _verify_kernel(
     dtb1 = dtb0
     if NCH == 2:
         dtb1 = tl.load(dtb_ptr + h * K + KC + kc)
+    if FUSED:
+        # the deferred commit of the previous step's accepted records (see triton_window)
+        plen = tl.load(plen_ptr + n)
+        if HAS_PRIDX:
+            prow = tl.load(pridx_ptr + n).to(tl.int64)
+        else:
+            prow = n.to(tl.int64)
+        for t in tl.static_range(NCOLS):
+            live = t < plen
+            lmask = (kc < KC) & live
+            pkg_row = pkg_ptr + prow * stride_pkg_row + (h * NCOLS + t) * (2 * K)
+            rk0 = tl.load(pkg_row + kc, mask=lmask, other=0.0).to(tl.float32)
+            rg0 = tl.load(pkg_row + K + kc, mask=lmask, other=0.0).to(tl.float32)
+            rk1, rg1 = rk0, rg0
+            if NCH == 2:
+                rk1 = tl.load(pkg_row + KC + kc, mask=lmask, other=0.0).to(tl.float32)
+                rg1 = tl.load(pkg_row + K + KC + kc, mask=lmask, other=0.0).to(tl.float32)
+            c = tl.load(pcorr_ptr + prow * stride_pcorr_row + (h * NCOLS + t) * V + vv,
+                        mask=(vv < V) & live, other=0.0)
+            s0, s1 = _apply_chunks(s0, s1, c, rk0, rk1, rg0, rg1, live, a_coef, dtb0, dtb1,
+                                   NCH, LOWER_BOUND, BOUNDED, EPS)
+        if plen > 0:
+            tl.store(state_ptr + slot * stride_state_slot + tile, s0)
+            if NCH == 2:
+                tl.store(state_ptr + slot * stride_state_slot + tile + KC, s1)
+        if ntok <= 0:
+            return
     if not FULL_STATE:
         if HAS_RIDX:
             rrow = tl.load(ridx_ptr + n).to(tl.int64)
@@ -124,17 +163,17 @@ def _verify_kernel(
         q0, q1 = _unit_chunks(raw_q0.to(tl.float32), raw_q1.to(tl.float32), NCH, EPS)
         q0 = q0 * SCALE
         q1 = q1 * SCALE
-        a0 = tl.where(kmask, tl.exp(_gate(raw_g0.to(tl.float32), a_coef, dtb0, LOWER_BOUND,
-                                          BOUNDED)), 1.0)
+        a0 = tl.where(kmask, tl.exp(gate(raw_g0.to(tl.float32), a_coef, dtb0, LOWER_BOUND,
+                                         BOUNDED)), 1.0)
         s0 = s0 * a0[None, :]
         kv = s0 * k0[None, :]
         if NCH == 2:
-            a1 = tl.where(kmask, tl.exp(_gate(raw_g1.to(tl.float32), a_coef, dtb1,
-                                              LOWER_BOUND, BOUNDED)), 1.0)
+            a1 = tl.where(kmask, tl.exp(gate(raw_g1.to(tl.float32), a_coef, dtb1,
+                                             LOWER_BOUND, BOUNDED)), 1.0)
             s1 = s1 * a1[None, :]
             kv += s1 * k1[None, :]
         c_t = b_t * (v_t - tl.sum(kv, axis=1))
-        # an explicit fma, as in the commit kernel: the compiler may not contract
+        # an explicit fma, as in apply_record: the compiler may not contract
         # s * a + c * k two different ways, so commit reproduces this state bit for bit
         s0 = tl.fma(c_t[:, None], k0[None, :], s0)
         qs = s0 * q0[None, :]
@@ -170,12 +209,11 @@ def _commit_kernel(
     alog_ptr, dtb_ptr,
     sidx_ptr, clen_ptr, fidx_ptr, bidx_ptr, blen_ptr, ridx_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    NCH: tl.constexpr, NCOLS: tl.constexpr,
-    LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr,
-    HAS_FINAL: tl.constexpr, HAS_BOUNDARY: tl.constexpr, HAS_RIDX: tl.constexpr,
-    EPS: tl.constexpr, KG_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    NCH: tl.constexpr, NCOLS: tl.constexpr, LOWER_BOUND: tl.constexpr,
+    BOUNDED: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_BOUNDARY: tl.constexpr,
+    HAS_RIDX: tl.constexpr, EPS: tl.constexpr, KG_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
-    KC: tl.constexpr = K // NCH
     pid_v = tl.program_id(0)
     n = tl.program_id(1)
     lh = tl.program_id(2)
@@ -218,9 +256,9 @@ def _commit_kernel(
         kg_ptr = tl.multiple_of(kg_ptr, 16)
         kg_stride = tl.multiple_of(kg_stride, 16)
 
+    KC: tl.constexpr = K // NCH
     vv = pid_v * BV + tl.arange(0, BV)
     kc = tl.arange(0, KC)
-    # the same chunked tile as verify (see there): the key norm is reduced in its order
     tile = (h * V + vv[:, None]) * K + kc[None, :]
     s0 = tl.load(state_ptr + src * s_stride + tile)
     s1 = s0
@@ -235,20 +273,15 @@ def _commit_kernel(
     # per-token load latency is hidden by the other programs on the SM).
     for t in range(0, clen):
         kg_row = kg_ptr + rrow * kg_stride + (h * NCOLS + t) * (2 * K)
-        raw_k0 = tl.load(kg_row + kc).to(tl.float32)
-        raw_g0 = tl.load(kg_row + K + kc).to(tl.float32)
-        raw_k1, raw_g1 = raw_k0, raw_g0
+        rk0 = tl.load(kg_row + kc).to(tl.float32)
+        rg0 = tl.load(kg_row + K + kc).to(tl.float32)
+        rk1, rg1 = rk0, rg0
         if NCH == 2:
-            raw_k1 = tl.load(kg_row + KC + kc).to(tl.float32)
-            raw_g1 = tl.load(kg_row + K + KC + kc).to(tl.float32)
-        c_t = tl.load(corr_ptr + rrow * c_stride + (h * NCOLS + t) * V + vv)
-        k0, k1 = _unit_chunks(raw_k0, raw_k1, NCH, EPS)
-        # the same rounding steps as verify: decay, then one fma
-        s0 = s0 * tl.exp(_gate(raw_g0, a_coef, dtb0, LOWER_BOUND, BOUNDED))[None, :]
-        s0 = tl.fma(c_t[:, None], k0[None, :], s0)
-        if NCH == 2:
-            s1 = s1 * tl.exp(_gate(raw_g1, a_coef, dtb1, LOWER_BOUND, BOUNDED))[None, :]
-            s1 = tl.fma(c_t[:, None], k1[None, :], s1)
+            rk1 = tl.load(kg_row + KC + kc).to(tl.float32)
+            rg1 = tl.load(kg_row + K + KC + kc).to(tl.float32)
+        c = tl.load(corr_ptr + rrow * c_stride + (h * NCOLS + t) * V + vv)
+        s0, s1 = _apply_chunks(s0, s1, c, rk0, rk1, rg0, rg1, True, a_coef, dtb0, dtb1,
+                               NCH, LOWER_BOUND, BOUNDED, EPS)
         if HAS_BOUNDARY:
             if (bslot >= 0) & (t + 1 == blen):
                 tl.store(state_ptr + bslot * s_stride + tile, s0)
@@ -263,31 +296,105 @@ def _commit_kernel(
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 """Torch dtypes the kernels read and write, with their Triton names."""
 
+# Overrides for tuning experiments and tests; None = the measured heuristics below.
+TILE_OVERRIDE: tuple[int, int, int] | None = None
+"""Serial verify: (block_v, num_warps, K chunks of 1 or 2)."""
+WINDOW_TILE_OVERRIDE: tuple[int, int, int, int] | None = None
+"""Window verify: (block_v, chunks per program, num_warps, num_stages)."""
+COMMIT_TILE_OVERRIDE: tuple[int, int, int] | None = None
+"""Commit: (block_v, num_warps, K chunks of 1 or 2)."""
+VERIFY_KERNEL_OVERRIDE: str | None = None
+"""``"cuda"``, ``"window"`` or ``"serial"`` instead of :func:`verify_kernel`'s choice."""
+VERIFY_KERNELS = ("cuda", "window", "serial")
+CUDA_ROWS_OVERRIDE: int | None = None
+"""CUDA window kernel: rows per warp, 16 or 32."""
 
-def _tile_config(K: int, V: int) -> tuple[int, int, int]:
-    """(block_v, num_warps, K chunks) shared by verify and commit.
 
-    Both kernels use the same tile so that their per-token key normalisation is reduced in
-    the same order: then commit reproduces verify's state bit for bit (an H200 probe:
-    bitwise equal with equal tiles, 1e-7 apart with (64, 4) against (32, 2)). One warp on
-    16 rows held as two K-chunks was the fastest tile for both kernels at every batch from
-    1 to 256 measured on an H200 (H=32, K=V=128, S = 3 and 7; against 8..128 rows, 1..8
-    warps, one or two chunks); it does not depend on the batch, so a verify replayed
-    from a padded CUDA graph and its eager commit always agree.
+def _serial_tile(K: int, V: int) -> tuple[int, int, int]:
+    """(block_v, num_warps, K chunks) of the serial verify.
+
+    One warp on 16 rows held as two K-chunks was the fastest tile at every batch from 1
+    to 256 measured on an H200 (H=32, K=V=128, S = 3 and 7; against 8..128 rows, 1..8
+    warps, one or two chunks).
     """
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
     return min(16, V), 1, (2 if K >= 32 else 1)
 
 
+def window_tile(rows: int, heads: int, V: int) -> tuple[int, int, int, int]:
+    """(block_v, chunks, num_warps, num_stages) of the window verify for ``rows`` requests
+    of ``heads`` heads; a program covers ``block_v * chunks`` rows of one head.
+
+    Small batches take short tiles so that enough programs fill the SMs; larger ones let
+    a program loop over more rows, which shares one head's probe and coupling work (the
+    fastest of the tiles ``python -m vllm_recoverssm.bench.tune`` timed on an H200).
+    """
+    if WINDOW_TILE_OVERRIDE is not None:
+        return WINDOW_TILE_OVERRIDE
+    if rows * heads <= 64:
+        return min(32, V), 1, 4, 1
+    bv = min(64, V)
+    return bv, max(1, min(2, V // bv)), 4, 2
+
+
+def commit_tile(rows: int, layer_heads: int, K: int, V: int) -> tuple[int, int, int]:
+    """(block_v, num_warps, K chunks) of the commit over ``rows`` requests and
+    ``layer_heads`` heads: one warp on 32 rows held as two K-chunks, or on 16 rows in one
+    chunk for the few heads of a batch of one (the fastest of 16 / 32 rows, one or two
+    chunks, one or two warps that ``python -m vllm_recoverssm.bench.tune`` timed on an
+    H200, S = 3 and 7, batch 1..256)."""
+    if COMMIT_TILE_OVERRIDE is not None:
+        return COMMIT_TILE_OVERRIDE
+    if rows * layer_heads <= 64:
+        return min(16, V), 1, 1
+    return min(32, V), 1, (2 if K >= 32 else 1)
+
+
+def cuda_rows_per_warp(rows: int, heads: int) -> int:
+    """Rows per warp of the CUDA window kernel: 32 (one block per head, the faster from
+    batch 8 up on an H200 at H = 32), 16 (two blocks per head) for the few heads of a
+    batch of one (``python -m vllm_recoverssm.bench.tune``)."""
+    if CUDA_ROWS_OVERRIDE is not None:
+        return CUDA_ROWS_OVERRIDE
+    return 16 if rows * heads <= 64 else 32
+
+
+def verify_kernel(lower_bound: float | None, ncols: int, state: torch.Tensor,
+                  q: torch.Tensor | None = None,
+                  index_tensors: tuple[torch.Tensor | None, ...] = (),
+                  vector_tensors: tuple[torch.Tensor | None, ...] = ()) -> str:
+    """Which verify kernel a call gets: ``"cuda"``, ``"window"`` or ``"serial"``.
+
+    The CUDA window kernel where it applies and builds (SM80+, K = V = 128, bf16 or fp32
+    activations, int32 indices, a bounded gate), else the Triton window kernel where that
+    applies, else the serial one. The choice depends only on the gate, the shapes, the
+    dtypes and the device, so a step's full-state and recovery verifies always run the
+    same arithmetic.
+    """
+    device = state.device
+    window = win.window_supported(lower_bound, ncols, device)
+    if VERIFY_KERNEL_OVERRIDE is not None:
+        if VERIFY_KERNEL_OVERRIDE not in VERIFY_KERNELS:
+            raise ValueError(f"VERIFY_KERNEL_OVERRIDE: expected one of {VERIFY_KERNELS}, "
+                             f"got {VERIFY_KERNEL_OVERRIDE!r}")
+        if VERIFY_KERNEL_OVERRIDE != "serial" and not window:
+            raise ValueError("argument 'lower_bound': the window kernels need a bounded gate "
+                             f"with |lower_bound| * (S+1) <= {win.WINDOW_MAX_LOG_DECAY}")
+        return VERIFY_KERNEL_OVERRIDE
+    if not window:
+        return "serial"
+    # alignment and index dtypes are the caller's layout, the same for a step's full-state
+    # and recovery calls
+    if q is not None and cuda_window.applies(q, state, lower_bound, ncols, index_tensors,
+                                             vector_tensors) \
+            and cuda_window.library() is not None:
+        return "cuda"
+    return "window"
+
+
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 64 == 0 and t.stride(0) % 16 == 0
-
-
-# (block_v, num_warps, K chunks of 1 or 2) for tuning experiments and tests, applied to
-# verify and commit alike so the commit stays bitwise equal to verify; None = the measured
-# heuristic above.
-TILE_OVERRIDE: tuple[int, int, int] | None = None
 
 
 def _check_kernel_dtypes(state: torch.Tensor) -> None:
@@ -307,26 +414,46 @@ def _check_head_dims(K: int, V: int) -> None:
             )
 
 
+Prev = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor]
+"""The fused verify's previous records: (corrections, kg, record rows or None, lens)."""
+
+
 def _verify_launch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor,
+    mode: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor,
     raw_beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, num_accepted: torch.Tensor | None,
     query_start_loc: torch.Tensor, corrections: torch.Tensor | None, kg: torch.Tensor | None,
     lower_bound: float | None, record_indices: torch.Tensor | None, ncols: int,
+    prev: Prev | None = None,
 ) -> torch.Tensor:
     _check_kernel_dtypes(state)
     _, H, V, K = state.shape
     _check_head_dims(K, V)
     N = query_start_loc.shape[0] - 1
+    indices = (state_indices, num_accepted, query_start_loc, record_indices,
+               *((prev[2], prev[3]) if prev is not None else ()))
+    vectors = (k, raw_g, dt_bias, kg, *((prev[1],) if prev is not None else ()))
+    kernel = verify_kernel(lower_bound, ncols, state, q, indices, vectors)
+    if kernel == "cuda":
+        assert lower_bound is not None  # window_supported checked it
+        return cuda_window.launch(
+            mode, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+            num_accepted, query_start_loc, corrections, kg, record_indices, lower_bound,
+            ncols, cuda_rows_per_warp(N, H), prev)
+    if kernel == "window":
+        assert lower_bound is not None  # window_supported checked it
+        return win.launch_window(
+            mode, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+            num_accepted, query_start_loc, corrections, kg, record_indices, lower_bound,
+            ncols, window_tile(N, H, V), prev)
     # zeros: tokens past query_start_loc[-1] belong to no request and read as 0
     out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     if N == 0:
         return out
-    bv, warps, nch = _tile_config(K, V)
-    full = corrections is None
+    bv, warps, nch = _serial_tile(K, V)
     dummy = state_indices
-    grid = (V // bv, N, H)
-    _verify_kernel[grid](
+    pc, pk, pr, pl = prev if prev is not None else (state, q, None, dummy)
+    _verify_kernel[(V // bv, N, H)](
         q, k, v, raw_g, raw_beta,
         A_log.float().contiguous(), dt_bias.float().contiguous(),
         state, state.stride(0),
@@ -335,11 +462,14 @@ def _verify_launch(
         corrections.stride(0) if corrections is not None else 0,
         kg if kg is not None else q, kg.stride(0) if kg is not None else 0,
         record_indices if record_indices is not None else dummy,
+        pc, pc.stride(0) if prev is not None else 0, pk, pk.stride(0) if prev is not None else 0,
+        pr if pr is not None else dummy, pl,
         out,
         H=H, K=K, V=V, BV=bv, NCH=nch, NCOLS=ncols,
         LOWER_BOUND=float(lower_bound) if lower_bound is not None else 0.0,
         BOUNDED=lower_bound is not None,
-        FULL_STATE=full, HAS_RIDX=record_indices is not None,
+        FULL_STATE=mode == win.FULL, FUSED=mode == win.FUSED,
+        HAS_RIDX=record_indices is not None, HAS_PRIDX=pr is not None,
         EPS=1e-6, SCALE=K**-0.5,
         num_warps=warps,
     )
@@ -355,8 +485,23 @@ def verify_recovery_triton(
 ) -> torch.Tensor:
     """Recovery verify kernel launch (arguments as :func:`api.verify_recovery`)."""
     return _verify_launch(
-        q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices, None,
+        win.RECOVERY, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices, None,
         query_start_loc, corrections, kg, lower_bound, record_indices, corrections.shape[2],
+    )
+
+
+def verify_fused_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor,
+    raw_beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
+    corrections: torch.Tensor, kg: torch.Tensor, lower_bound: float | None,
+    record_indices: torch.Tensor | None, prev: Prev,
+) -> torch.Tensor:
+    """Fused verify kernel launch (arguments as :func:`api.verify_fused`)."""
+    return _verify_launch(
+        win.FUSED, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices, None,
+        query_start_loc, corrections, kg, lower_bound, record_indices, corrections.shape[2],
+        prev,
     )
 
 
@@ -368,8 +513,8 @@ def verify_full_triton(
 ) -> torch.Tensor:
     """Full-state verify kernel launch (arguments as :func:`api.verify_full`)."""
     return _verify_launch(
-        q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices, num_accepted,
-        query_start_loc, None, None, lower_bound, None, state_indices.shape[1],
+        win.FULL, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+        num_accepted, query_start_loc, None, None, lower_bound, None, state_indices.shape[1],
     )
 
 
@@ -428,7 +573,7 @@ def commit_triton(
         return
     if tables is None:
         tables = CommitTables(states, corrections, kg)
-    bv, warps, nch = _tile_config(K, V)
+    bv, warps, nch = commit_tile(N, L * H, K, V)
     si = plan.state_indices
     grid = (V // bv, N, L * H)
     _commit_kernel[grid](

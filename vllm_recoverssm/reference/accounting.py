@@ -2,9 +2,11 @@
 
 The measured figure counts what a request really held: the most state-pool slots it had
 at once times the bytes of one slot in the allocated tensors (recurrent state + conv window
-of every KDA layer), plus, in recovery mode, its row of the record scratch. The planner's
-figure (:func:`vllm_recoverssm.state.state_bytes_per_request`, records in scratch) is
-computed from the model's dimensions alone; the two must agree.
+of every KDA layer), plus, in recovery mode, its rows of the record scratch (two with the
+fused commit, which reads the previous step's row while it writes the next). The
+planner's figure (:func:`vllm_recoverssm.state.state_bytes_per_request`, records in
+scratch, one row) is computed from the model's dimensions alone, plus for the fused commit
+one more row by DESIGN.md section 3's formula; the two must agree.
 """
 
 from __future__ import annotations
@@ -43,13 +45,22 @@ def model_spec(config: ModelConfig, max_model_len: int = 4096) -> ModelSpec:
     )
 
 
+def record_row_bytes(config: ModelConfig, num_spec: int) -> int:
+    """One request's records in every KDA layer: ``h (S+1) D (4 + 2b)`` (DESIGN.md 3)."""
+    per_layer = config.num_kda_heads * (num_spec + 1) * config.kda_head_dim * (
+        4 + 2 * config.torch_dtype.itemsize)
+    return len(config.kda_layers) * per_layer
+
+
 def planned_state_bytes(
-    config: ModelConfig, mode: str, num_spec: int, prefix_caching: bool
+    config: ModelConfig, mode: str, num_spec: int, prefix_caching: bool, fused: bool = False
 ) -> int:
-    """The planner's linear-state bytes per running request (records in a scratch area)."""
+    """The planner's linear-state bytes per running request (records in a scratch area);
+    ``fused`` adds the second record row the fused commit double-buffers."""
     if mode not in (RECOVERY, FULL_STATE):
         raise ValueError(f"argument 'mode': expected recovery or full_state, got {mode!r}")
-    return state_bytes_per_request(
+    extra = record_row_bytes(config, num_spec) if fused and mode == RECOVERY else 0
+    return extra + state_bytes_per_request(
         model_spec(config),
         tp=1,
         num_spec=num_spec,
@@ -62,6 +73,7 @@ def planned_state_bytes(
 
 
 def measured_state_bytes(runtime: SpecRuntime) -> int:
-    """Peak slots any request held x bytes per slot (+ one record row in recovery mode)."""
+    """Peak slots any request held x bytes per slot (+ its record rows in recovery mode)."""
     pools = runtime.pools
-    return runtime.stats.peak_slots_per_request * pools.slot_bytes + pools.record_row_bytes
+    rows = 2 if runtime.config.fused else 1
+    return runtime.stats.peak_slots_per_request * pools.slot_bytes + rows * pools.record_row_bytes

@@ -5,8 +5,9 @@ rows) has fixed shapes, and with argument validation off none of its operations 
 device value on the host, so the whole forward pass -- projections, short convs, the
 Triton verify kernels, paged attention, MLPs -- is recorded once and replayed. Between
 replays only the contents of the input buffers change (tokens, positions, KV slots,
-block tables, state indices, ``num_accepted``, conv offsets). Acceptance and the commit
-run after the replay, outside the graph.
+block tables, state indices, ``num_accepted``, conv offsets, and with the fused commit
+the record rows and pending counts). Acceptance, and the commit where it is not fused
+into the next verify, run after the replay, outside the graph.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _clone_inputs(inputs: StepInputs) -> StepInputs:
             num_accepted=c(lin.num_accepted), conv_offsets=c(lin.conv_offsets),
             prefill_query_start_loc=lin.prefill_query_start_loc.clone(),
             prefill_state_indices=lin.prefill_state_indices.clone(),
+            record_indices=c(lin.record_indices), prev_lens=c(lin.prev_lens),
+            prev_record_indices=c(lin.prev_record_indices),
         ),
         validate=False,
         backend=inputs.backend,

@@ -57,6 +57,7 @@ class DemoOptions:
     seed: int = 0
     checkpoint: str | None = None
     checkpoint_dir: str | None = None
+    fused_commit: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -127,6 +128,7 @@ class DemoReport:
     threads: int = 1
     checkpoint: str | None = None
     checkpoints: dict[str, CheckpointReport] = field(default_factory=dict)
+    commit: str = ""
 
     @property
     def ok(self) -> bool:
@@ -178,7 +180,8 @@ def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
         acceptance_rate=s.acceptance_rate, accept_histogram=list(s.accept_histogram),
         state_bytes_per_request=measured_state_bytes(runtime),
         planner_state_bytes_per_request=planned_state_bytes(
-            runtime.model.config, mode, runtime.num_spec, runtime.config.prefix_caching),
+            runtime.model.config, mode, runtime.num_spec, runtime.config.prefix_caching,
+            fused=runtime.config.fused),
         state_pool_bytes=pool_bytes, prefix_cache_hits=runtime.cache.stats.hits,
         prefix_cache_hit_tokens=runtime.cache.stats.hit_tokens,
         graph_steps=s.graph_steps,
@@ -218,6 +221,9 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
         num_spec=S, drafter=options.drafter, corruption=None,
         prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new,
         threads=torch.get_num_threads(), checkpoint=options.checkpoint,
+        commit=("recovery commits inside the next step's verify (fused)"
+                if options.fused_commit and not options.prefix_caching else
+                "recovery commits after each step"),
     )
 
     def tracker(phase: str) -> Callable[[int, int], None]:
@@ -261,6 +267,7 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
                     mode=mode, num_spec=S, max_running=max_running,
                     max_model_len=max_model_len, block_size=block_size,
                     prefix_caching=options.prefix_caching, cuda_graph=cuda_graph,
+                    fused_commit=options.fused_commit,
                 ), drafter) as warm_up:
                     warm_up.add_request(prompts[0], 2 * (S + 1))
                     warm_up.run()
@@ -268,6 +275,7 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
                 mode=mode, num_spec=S, max_running=max_running, max_model_len=max_model_len,
                 block_size=block_size, prefix_caching=options.prefix_caching,
                 cuda_graph=cuda_graph, checkpoint=place.config if place is not None else None,
+                fused_commit=options.fused_commit,
             ), drafter)
             with runtime:
                 for p in prompts:

@@ -224,6 +224,17 @@ class KDAMixer(nn.Module):
                     *args, lin.num_accepted, lin.decode_query_start_loc,
                     lower_bound=self.lower_bound, validate=validate, backend=backend,
                 ))
+            elif lin.fused:
+                assert pools.corrections is not None and pools.kg is not None
+                assert lin.prev_lens is not None
+                # the previous step's records sit in the other half of the same scratch
+                outs.append(ops.verify_fused(
+                    *args, lin.decode_query_start_loc, pools.corrections, pools.kg,
+                    lin.prev_lens, lower_bound=self.lower_bound,
+                    record_indices=lin.record_indices,
+                    prev_record_indices=lin.prev_record_indices, validate=validate,
+                    backend=backend,
+                ))
             else:
                 assert pools.corrections is not None and pools.kg is not None
                 outs.append(ops.verify_recovery(

@@ -26,6 +26,10 @@ class Request:
       ``num_accepted - 1``, and the conv history sits at offset ``num_accepted - 1`` of
       column 0's window; with prefix caching ``boundary_slot`` receives block states.
 
+    With the fused commit (recovery without prefix caching) the accepted tokens of a step
+    are committed inside the next step's verify: ``pending`` of them wait in record row
+    ``pending_row`` of the scratch, and the conv history sits at offset ``pending - 1``.
+
     ``restored_tokens`` prompt tokens came from a checkpoint (an external hit) and
     ``prefix_hit_tokens`` from the runtime's own prefix cache; ``has_images`` keeps the
     request out of the checkpoint store.
@@ -37,6 +41,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_accepted: int = 1
+    pending: int = 0
+    pending_row: int = -1
     run_slots: list[int] = field(default_factory=list)
     columns: dict[int, int] = field(default_factory=dict)
     boundary_slot: int = -1

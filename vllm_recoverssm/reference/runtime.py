@@ -8,7 +8,11 @@ Each :meth:`SpecRuntime.step` runs one forward pass over a flat batch: the decod
   plus the model's next token);
 * recovery mode commits exactly the accepted tokens' records into each checkpoint and
   moves the conv history to offset 0 (``ops.commit`` + ``ops.conv_compact`` with a commit
-  plan from :mod:`vllm_recoverssm.state`); full-state mode only remembers ``num_accepted``:
+  plan from :mod:`vllm_recoverssm.state`); with the fused commit (the default without
+  prefix caching) it only remembers them: the next step's ``ops.verify_fused`` commits
+  them into the checkpoint before verifying, in the same launch, and the next conv update
+  reads the history where it lies; a request that finishes (a response boundary) is
+  committed and compacted on its own first. Full-state mode only remembers ``num_accepted``:
   the next verify starts from column ``num_accepted - 1`` and reads the conv history at
   offset ``num_accepted - 1``;
 * with prefix caching (align mode, block size ``B >= S+1``) the state after every ``B``
@@ -122,7 +126,7 @@ class SpecRuntime:
         self.block_size = config.block_size
         self.pools = ModelPools(
             mc, mode=config.mode, num_spec=config.num_spec, num_slots=config.total_slots,
-            record_rows=config.max_running, num_pages=config.total_pages,
+            record_rows=config.record_rows, num_pages=config.total_pages,
             block_size=config.block_size, device=self.device,
         )
         self.slots = SlotAllocator(config.total_slots)
@@ -133,6 +137,7 @@ class SpecRuntime:
         self._A_log = torch.stack([m.A_log for m in kda]).float().contiguous()
         self._dt_bias = torch.stack([m.dt_bias for m in kda]).float().contiguous()
         self._commit_tables: Any = None  # the commit kernel's address tables, built once
+        self._parity = 0  # fused commit: which half of the record scratch this step writes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -449,6 +454,13 @@ class SpecRuntime:
         )
         for r, d in zip(decode, drafts, strict=True):
             r.drafts = [int(t) for t in d]
+        fused_rows = None
+        if self.config.fused:
+            # records still pending from a step this request did not follow are committed
+            # first; the rest are committed by this step's verify
+            scheduled = {id(r) for r in decode}
+            self._flush([r for r in self.running if r.pending and id(r) not in scheduled])
+            fused_rows = self._parity * self.config.max_running
         decode_rows = [self._decode_row(r) for r in decode]
         prefill_rows = [PrefillRow(r, s, e, self._prefill_slot(r, s)) for r, s, e in prefill]
         pad = (self.config.pad_decode_rows or self.config.cuda_graph) and not prefill_rows
@@ -457,7 +469,7 @@ class SpecRuntime:
             step_inputs = build_step_inputs(
                 self.mode, decode_rows, prefill_rows, num_rows, num_spec=self.num_spec,
                 block_size=self.block_size, pages_per_request=self.config.pages_per_request,
-                device=self.device, backend=self.config.backend,
+                device=self.device, backend=self.config.backend, fused_rows=fused_rows,
             )
             if pad and self.config.cuda_graph:
                 hidden = self._graph_forward(step_inputs)
@@ -515,7 +527,10 @@ class SpecRuntime:
         if self.mode == RECOVERY:
             if self.config.debug_capture_before_commit:
                 self._capture_before_commit(rows)
-            self._commit(rows, num_accepted)
+            if self.config.fused:
+                self._defer_commit(rows, num_accepted)
+            else:
+                self._commit(rows, num_accepted)
         elif self.config.prefix_caching:
             crossed = self._capture_full_state_boundaries(rows, num_accepted)
         acc = accepted_drafts.tolist()
@@ -555,6 +570,51 @@ class SpecRuntime:
             if r.remaining <= self.num_spec + 1:  # may finish in this step
                 self._early_linear[r.rid] = capture_linear(self, r)
 
+    def _commit_counts(self, num_accepted: torch.Tensor) -> torch.Tensor:
+        shift = self.config.debug_commit_shift
+        if not shift:
+            return num_accepted
+        return (num_accepted + shift).clamp(0, self.num_spec + 1).to(INDEX)
+
+    def _defer_commit(self, rows: list[DecodeRow], num_accepted: torch.Tensor) -> None:
+        """Fused commit: the accepted records wait for the next step's verify."""
+        base = self._parity * self.config.max_running
+        for i, (row, n) in enumerate(zip(rows, self._commit_counts(num_accepted).tolist(),
+                                         strict=True)):
+            row.request.pending = int(n)
+            row.request.pending_row = base + i
+        self._parity ^= 1
+
+    def _flush(self, reqs: list[Request]) -> None:
+        """Commit and compact the pending records of ``reqs`` on their own (fused commit).
+
+        A request reaching its response boundary, or leaving the decode batch, needs its
+        accepted state in the checkpoint before anything reads it. One launch commits all
+        layers of all the given requests, one more compacts their conv windows.
+        """
+        reqs = [r for r in reqs if r.pending]
+        if not reqs:
+            return
+        dev, backend = self.device, self.config.backend
+        check = dev.type != "cuda"  # plans the runtime built itself (see _commit)
+        plan = ops.CommitPlan(
+            state_indices=torch.tensor([r.run_slots[0] for r in reqs], dtype=INDEX, device=dev),
+            commit_lens=torch.tensor([r.pending for r in reqs], dtype=INDEX, device=dev),
+        )
+        rows = torch.tensor([r.pending_row for r in reqs], dtype=INDEX, device=dev)
+        if self._commit_tables is None and dev.type == "cuda" and backend != "reference":
+            self._commit_tables = ops.commit_tables(self.pools.states, self.pools.corrections,
+                                                    self.pools.kgs)
+        ops.commit(self.pools.states, self.pools.corrections, self.pools.kgs, self._A_log,
+                   self._dt_bias, plan, lower_bound=self.model.config.lower_bound,
+                   record_indices=rows, backend=backend, validate=check,
+                   tables=self._commit_tables)
+        ops.conv_compact(self.pools.convs, plan, kernel_width=self.model.config.conv_kernel,
+                         backend=backend, validate=check)
+        for r in reqs:
+            r.pending = 0
+            r.pending_row = -1
+
     def _commit(self, rows: list[DecodeRow], num_accepted: torch.Tensor) -> None:
         """Recovery: replay the accepted records into the checkpoints, then compact conv."""
         S, dev = self.num_spec, self.device
@@ -562,8 +622,7 @@ class SpecRuntime:
         # The runtime builds these plans itself; on a GPU the checks that read device
         # values would stall the host every step, elsewhere they keep the tests strict.
         check = dev.type != "cuda"
-        shift = self.config.debug_commit_shift
-        commit_counts = (num_accepted + shift).clamp(0, S + 1).to(INDEX) if shift else num_accepted
+        commit_counts = self._commit_counts(num_accepted)
         query_lens = torch.full((n,), S + 1, dtype=INDEX, device=dev)
         if self.config.prefix_caching:
             width = max(len(d.column_row) for d in rows)
@@ -733,7 +792,9 @@ class SpecRuntime:
             self.on_boundary(self, req, boundary)
 
     def _finish_done(self) -> None:
-        for r in [r for r in self.running if r.done]:
+        done = [r for r in self.running if r.done]
+        self._flush(done)  # commit before the response-boundary capture
+        for r in done:
             self._at_boundary(r, "response")
             if self.config.prefix_caching and self.mode == RECOVERY:
                 self._retire_blocks(r, final=True)

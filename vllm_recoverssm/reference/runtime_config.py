@@ -40,6 +40,11 @@ class RuntimeConfig:
     ``TRITON_INTERPRET=1``). ``checkpoint`` gives the runtime a checkpoint store (LMCache
     RAM or disk, built and checked when the runtime is built): every request looks it up on
     admission and is exported at the end of its prompt and of its response.
+    ``fused_commit`` (recovery without prefix caching) commits a step's accepted tokens
+    inside the next step's verify (:func:`vllm_recoverssm.ops.verify_fused`) and folds the
+    conv compaction into the next conv update's read offset; a request leaving the batch
+    or reaching a request boundary is committed on its own first. It needs a second row
+    of record scratch per request (the fused verify reads one and writes the other).
     ``debug_commit_shift`` commits that many tokens more than accepted (recovery only) and
     ``debug_capture_before_commit`` reads the linear state of a response-boundary export
     before the step's commit (recovery with a checkpoint store only): deliberately wrong
@@ -60,6 +65,7 @@ class RuntimeConfig:
     pad_decode_rows: bool = False
     backend: str = "auto"
     checkpoint: CheckpointConfig | None = None
+    fused_commit: bool = True
     debug_commit_shift: int = 0
     debug_capture_before_commit: bool = False
 
@@ -88,6 +94,10 @@ class RuntimeConfig:
             )
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"argument 'num_pages': expected >= 2, got {self.num_pages}")
+        if not isinstance(self.fused_commit, bool):
+            raise ValueError(
+                f"argument 'fused_commit': expected a bool, got {type(self.fused_commit).__name__}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"argument 'backend': expected one of {BACKENDS}, got {self.backend!r}"
@@ -109,6 +119,16 @@ class RuntimeConfig:
                 "argument 'debug_capture_before_commit': only a recovery-mode runtime with a "
                 "checkpoint store exports after a commit"
             )
+
+    @property
+    def fused(self) -> bool:
+        """Whether steps commit inside the next verify (recovery, no prefix caching)."""
+        return self.mode == RECOVERY and self.fused_commit and not self.prefix_caching
+
+    @property
+    def record_rows(self) -> int:
+        """Rows of record scratch: one per running request, two with the fused commit."""
+        return self.max_running * (2 if self.fused else 1)
 
     @property
     def slots_per_request(self) -> int:

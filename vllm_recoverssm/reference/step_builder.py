@@ -50,12 +50,16 @@ def build_step_inputs(
     pages_per_request: int,
     device: torch.device,
     backend: str = "auto",
+    fused_rows: int | None = None,
 ) -> StepInputs:
     """Decode rows first (padded with null rows up to ``num_decode_rows``), then prefill rows.
 
     Null rows read and write no state (slot -1), write their keys into the null page and
     attend to nothing real; their outputs are ignored. Block tables are always
     ``pages_per_request`` wide so that every step of a run has the same attention shapes.
+    With ``fused_rows`` (recovery, fused commit) decode row ``i`` writes its records to
+    scratch row ``fused_rows + i`` and first commits its request's ``pending`` tokens from
+    row ``pending_row``.
     """
     W, B = num_spec + 1, block_size
     tokens: list[int] = []
@@ -101,6 +105,11 @@ def build_step_inputs(
     if len(state_idx) != num_decode_rows:
         raise ValueError(f"argument 'decode': rows do not match mode {mode!r}")
     na = [d.request.num_accepted for d in decode] + [1] * pad
+    fused = fused_rows is not None and not full
+    if fused:
+        assert fused_rows is not None
+        # pending counts play num_accepted's part for the conv history's read offset
+        na = [max(d.request.pending, 1) for d in decode] + [1] * pad
     linear = LinearInputs(
         mode=mode,
         num_decode_tokens=num_decode_rows * W,
@@ -108,9 +117,14 @@ def build_step_inputs(
         decode_state_indices=t(state_idx),
         decode_conv_indices=t([d.conv for d in decode] + [-1] * pad),
         num_accepted=t(na) if full else None,
-        conv_offsets=t([n - 1 for n in na]) if full else None,
+        conv_offsets=t([n - 1 for n in na]) if full or fused else None,
         prefill_query_start_loc=t([0, *accumulate(p.end - p.start for p in prefill)]),
         prefill_state_indices=t([p.slot for p in prefill]),
+        record_indices=(t([(fused_rows or 0) + i for i in range(num_decode_rows)])
+                        if fused else None),
+        prev_lens=t([d.request.pending for d in decode] + [0] * pad) if fused else None,
+        prev_record_indices=(t([max(d.request.pending_row, 0) for d in decode] + [0] * pad)
+                             if fused else None),
     )
     attention = AttentionInputs(
         positions=t(positions, torch.int64),

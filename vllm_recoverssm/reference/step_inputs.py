@@ -49,6 +49,11 @@ class LinearInputs:
 
     Prefill rows continue from ``prefill_state_indices`` (state and conv history at offset
     0) and write their final state back there.
+
+    Recovery with the fused commit also sets, per decode row: ``record_indices`` (the
+    scratch row this step's records go to), ``prev_lens`` / ``prev_record_indices`` (the
+    previous step's accepted tokens the verify commits first, and their row), and
+    ``conv_offsets`` (the history sits at ``prev_lens - 1``, not yet compacted).
     """
 
     mode: str
@@ -60,6 +65,14 @@ class LinearInputs:
     conv_offsets: torch.Tensor | None
     prefill_query_start_loc: torch.Tensor
     prefill_state_indices: torch.Tensor
+    record_indices: torch.Tensor | None = None
+    prev_lens: torch.Tensor | None = None
+    prev_record_indices: torch.Tensor | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether the decode rows verify with the fused commit."""
+        return self.prev_lens is not None
 
     @property
     def num_decode_rows(self) -> int:

@@ -1,0 +1,149 @@
+"""``python -m vllm_recoverssm.bench.tune``: time each kernel variant on one GPU.
+
+Every verify kernel (the CUDA window kernel at 16 and 32 rows per warp, the Triton window
+kernel at a few tiles, the serial Triton kernel), the commit at a few tiles and the fused
+verify, at GLM-5.3 TP2 shapes and one layer, with the bench's method (CUDA-graph replays
+after an L2 flush, medians). The tile heuristics in :mod:`vllm_recoverssm.ops.triton_kda`
+are read off this table; it prints one line per (variant, S, batch) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..ops import triton_kda
+from . import accounting as acc
+from . import workload as wl
+from .grid import GIB, MIB
+from .timing import GraphTimer, measure_roof
+
+WINDOW_TILES = ((32, 1, 4, 1), (64, 2, 4, 2))
+COMMIT_TILES = ((16, 1, 2), (16, 1, 1), (32, 2, 2), (32, 1, 2))
+
+
+@contextmanager
+def _override(name: str, value: object) -> Iterator[None]:
+    old = getattr(triton_kda, name)
+    setattr(triton_kda, name, value)
+    try:
+        yield
+    finally:
+        setattr(triton_kda, name, old)
+
+
+def _variants() -> list[tuple[str, str, dict[str, object]]]:
+    """(op, label, overrides of triton_kda) for every variant timed."""
+    out: list[tuple[str, str, dict[str, object]]] = []
+    for rows in (16, 32):
+        over: dict[str, object] = {"VERIFY_KERNEL_OVERRIDE": "cuda", "CUDA_ROWS_OVERRIDE": rows}
+        out += [("verify", f"cuda/{rows}", over), ("fused_all", f"cuda/{rows}", over),
+                ("fused_2", f"cuda/{rows}", over), ("ours_full", f"cuda/{rows}", over)]
+    for tile in WINDOW_TILES:
+        over = {"VERIFY_KERNEL_OVERRIDE": "window", "WINDOW_TILE_OVERRIDE": tile}
+        out += [("verify", "triton-window/" + "x".join(map(str, tile)), over)]
+    out += [("verify", "triton-serial", {"VERIFY_KERNEL_OVERRIDE": "serial"})]
+    for ctile in COMMIT_TILES:
+        over = {"COMMIT_TILE_OVERRIDE": ctile}
+        label = "commit/" + "x".join(map(str, ctile))
+        out += [("commit_all", label, over), ("commit_2", label, over)]
+    return out
+
+
+def _bytes(op: str, shape: acc.OpShape, batch: int) -> int:
+    if op == "verify":
+        return acc.recovery_verify_bytes(shape, batch)
+    if op == "ours_full":
+        return acc.full_verify_bytes(shape, batch)
+    accepted = shape.tokens if op.endswith("_all") else 2
+    if op.startswith("fused"):
+        return acc.fused_verify_bytes(shape, batch, accepted)
+    return acc.commit_bytes(shape, batch, accepted)
+
+
+def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: int,
+        out: Callable[[str], None], only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Time every variant at every (S, batch); returns the rows and the roof."""
+    dev = torch.device("cuda")
+    timer = GraphTimer(dev, 256 * MIB, warmup=5, reps=reps)
+    moved, roof_t = measure_roof(timer, 2 * GIB)
+    roof = acc.gbps(moved, roof_t.median_ms)
+    out(f"roof {roof:.0f} GB/s on {torch.cuda.get_device_name(dev)}")
+    rows: list[dict[str, Any]] = []
+    for S in num_spec:
+        for B in batches:
+            shape = acc.OpShape(heads, 128, 128, S, 2)
+            step = wl.make_step(shape, B, 1, torch.bfloat16, dev, "auto", 0)
+            for op, label, over in _variants():
+                if only and op not in only:
+                    continue
+                try:
+                    with _override_all(over):
+                        fn = _build(op, step)
+                        t = timer.measure(fn)
+                except Exception as exc:  # noqa: BLE001 - a failing variant is a row
+                    rows.append({"op": op, "variant": label, "num_spec": S, "batch": B,
+                                 "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    out(f"S={S} B={B:>3} {op:<10} {label:<24} ERROR {exc}")
+                    continue
+                gb = acc.gbps(_bytes(op, shape, B), t.median_ms)
+                rows.append({"op": op, "variant": label, "num_spec": S, "batch": B,
+                             "ms": t.median_ms, "gbps": gb, "roof_frac": gb / roof})
+                out(f"S={S} B={B:>3} {op:<10} {label:<24} {t.median_ms:9.4f} ms "
+                    f"{gb:7.0f} GB/s {100 * gb / roof:4.0f}%")
+            torch.cuda.empty_cache()
+    return {"roof_gbps": roof, "device": torch.cuda.get_device_name(dev), "rows": rows}
+
+
+@contextmanager
+def _override_all(over: dict[str, object]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for name, value in over.items():
+            stack.enter_context(_override(name, value))
+        yield
+
+
+def _build(op: str, step: wl.Step) -> wl.Op:
+    if op == "ours_full":
+        full = wl.make_full_pools(step, 1, 0)
+        return wl.full_ops(step, full, None)["ours_full"]
+    rec = wl.make_recovery_pools(step, 0)
+    return wl.recovery_ops(step, rec)[op]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, time the variants, print them and write ``--json``."""
+    p = argparse.ArgumentParser(prog="python -m vllm_recoverssm.bench.tune",
+                                description=__doc__)
+    p.add_argument("--num-spec", default="3,7")
+    p.add_argument("--batch", default="1,8,32,128,256")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--ops", default="", help="only these ops, e.g. verify,fused_all")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        specs = tuple(int(x) for x in args.num_spec.split(","))
+        batches = tuple(int(x) for x in args.batch.split(","))
+    except ValueError:
+        print("tune: --num-spec and --batch take comma-separated integers", file=sys.stderr)
+        return 2
+    only = tuple(x for x in args.ops.split(",") if x)
+    result = run(specs, batches, args.heads, args.reps, lambda s: print(s, flush=True), only)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The CUDA window verify (``csrc/kda_window*.cu``): built on first use, called via ctypes.
+
+The kernel computes what :mod:`.triton_window` computes, with the product laid out by hand
+for ``mma.sync`` (see the header of ``csrc/kda_window.cuh``). It is compiled lazily, on a
+CUDA machine only, with PyTorch's extension builder (nvcc and ninja); the sources include
+no PyTorch header, so the build takes seconds and the library does not depend on the
+PyTorch version. Anything that stops it -- no nvcc, an old GPU, a failed build -- leaves
+the Triton kernels in charge, with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .triton_window import FULL, FUSED, RECOVERY, TP, WINDOW_MAX_LOG_DECAY
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = ("kda_window_entry.cu", "kda_window_recovery.cu", "kda_window_full.cu",
+           "kda_window_fused.cu")
+HEAD_DIM = 128
+ACT_CODES = {torch.bfloat16: 0, torch.float32: 2}
+DISABLE_ENV = "RECOVERSSM_CUDA_WINDOW"
+"""Set to ``0`` to keep the Triton window kernel on CUDA devices (comparisons, debugging)."""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+_c_int, _c_ll, _c_f, _p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
+# in the order of recoverssm_window_launch's parameters (csrc/kda_window_entry.cu)
+_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f, _c_f,  # mode .. scale
+    _p, _p, _p, _p, _p, _p, _p, _p, _c_ll,  # q, k, v, g, beta, A_log, dt_bias, state, stride
+    _p, _p, _p, _p, _c_ll, _p, _c_ll, _p,  # sidx, nacc, qsl, corr, stride, kg, stride, ridx
+    _p, _c_ll, _p, _c_ll, _p, _p, _p, _p,  # pcorr, stride, pkg, stride, pridx, plen, out, stream
+]
+
+
+def _build() -> ctypes.CDLL:
+    from torch.utils.cpp_extension import load
+
+    major, minor = torch.cuda.get_device_capability()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    path = load(
+        name="recoverssm_window",
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cuda_cflags=["-O3", "-std=c++17"],
+        is_python_module=False,
+        verbose=False,
+    )
+    lib = ctypes.CDLL(str(path))
+    fn = lib.recoverssm_window_launch
+    fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (and a warning, once) where it cannot be had."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib: ctypes.CDLL | None = None
+        why = ""
+        if os.environ.get(DISABLE_ENV) == "0":
+            why = f"{DISABLE_ENV}=0"
+        elif not torch.cuda.is_available():
+            why = "no CUDA device"
+        elif torch.cuda.get_device_capability() < (8, 0):
+            why = "the tf32 tensor-core product needs SM80 or newer"
+        elif not all((CSRC / s).is_file() for s in SOURCES):
+            why = f"sources not found under {CSRC.name}/"
+        else:
+            try:
+                lib = _build()
+            except Exception as exc:  # noqa: BLE001 - any build failure means "use Triton"
+                why = f"build failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
+        if lib is None and why not in ("no CUDA device", f"{DISABLE_ENV}=0"):
+            warnings.warn(f"vllm-recoverssm: CUDA window verify unavailable, using Triton: {why}",
+                          RuntimeWarning, stacklevel=3)
+        _state["lib"] = lib
+        _state["why"] = why
+        return lib
+
+
+def applies(q: torch.Tensor, state: torch.Tensor, lower_bound: float | None, ncols: int,
+            index_tensors: tuple[torch.Tensor | None, ...],
+            vector_tensors: tuple[torch.Tensor | None, ...] = ()) -> bool:
+    """Whether this call can run on the CUDA kernel (without building it yet).
+
+    ``vector_tensors`` are read or written 16 bytes at a time (keys, queries, gates, the
+    kg records, the state): their base addresses must be 16-byte aligned.
+    """
+    if state.device.type != "cuda" or os.environ.get(DISABLE_ENV) == "0":
+        return False
+    _, _, V, K = state.shape
+    if K != HEAD_DIM or V != HEAD_DIM or q.dtype not in ACT_CODES or ncols > TP:
+        return False
+    if lower_bound is None or abs(lower_bound) * ncols > WINDOW_MAX_LOG_DECAY:
+        return False
+    if state.stride(0) % 4 or any(t is not None and t.data_ptr() % 16
+                                  for t in (state, q, *vector_tensors)):
+        return False
+    return all(t is None or t.dtype == torch.int32 for t in index_tensors)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def launch(
+    mode: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor,
+    raw_beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, num_accepted: torch.Tensor | None,
+    query_start_loc: torch.Tensor, corrections: torch.Tensor | None, kg: torch.Tensor | None,
+    record_indices: torch.Tensor | None, lower_bound: float, ncols: int, rows_per_warp: int,
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One launch of the CUDA window kernel (arguments as :func:`.triton_window.launch_window`)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CUDA window kernel is unavailable: {_state.get('why')}")
+    if mode not in (RECOVERY, FULL, FUSED):
+        raise ValueError(f"argument 'mode': expected 0, 1 or 2, got {mode}")
+    _, H, _, _ = state.shape
+    N = query_start_loc.shape[0] - 1
+    out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    a_log = A_log.float().contiguous()
+    dtb = dt_bias.float().contiguous()
+    pc, pk, pr, pl = prev if prev is not None else (None, None, None, None)
+    stream = torch.cuda.current_stream(state.device).cuda_stream
+    err = lib.recoverssm_window_launch(
+        mode, ACT_CODES[q.dtype], rows_per_warp, N, H, ncols, float(lower_bound),
+        float(HEAD_DIM ** -0.5),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), raw_g.data_ptr(), raw_beta.data_ptr(),
+        a_log.data_ptr(), dtb.data_ptr(), state.data_ptr(), state.stride(0),
+        state_indices.data_ptr(), _ptr(num_accepted), query_start_loc.data_ptr(),
+        _ptr(corrections), corrections.stride(0) if corrections is not None else 0,
+        _ptr(kg), kg.stride(0) if kg is not None else 0, _ptr(record_indices),
+        _ptr(pc), pc.stride(0) if pc is not None else 0,
+        _ptr(pk), pk.stride(0) if pk is not None else 0, _ptr(pr), _ptr(pl),
+        out.data_ptr(), stream,
+    )
+    if err:
+        raise RuntimeError(f"CUDA window verify launch failed: cudaError {err}")
+    return out
