@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
+from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_dflash
 
 from .engine import (
     CHUNKED,
@@ -91,6 +92,17 @@ def test_recovery_matches_full_state_token_for_token(
     assert_same_tokens(pair)
     assert pair.on.outputs == continuations
     assert low <= pair.on.acceptance <= high, pair.on.acceptance
+    check_decisions(pair)
+
+
+def test_dflash_drafts_recovery_matches_full_state(cold_run: ColdRun) -> None:
+    """vLLM's own DFlash drafter (a tiny Qwen3 DFlash draft reading the target's hidden
+    states; random weights, so its drafts are rarely right) in both modes."""
+    draft = write_tiny_dflash(cold_run.workdir / "tiny-dflash")
+    spec = {**cold_run.spec, "drafter": "dflash", "draft_model": str(draft)}
+    pair = run_pair(cold_run.workdir, **spec)
+    assert_same_tokens(pair)
+    assert pair.on.draft_tokens > 0
     check_decisions(pair)
 
 

@@ -35,8 +35,10 @@ class EngineRun(BaseModel):
     model: str = Field(min_length=1, description="model directory")
     mode: Literal["auto", "on", "off"]
     num_spec: int = Field(ge=1, le=7)
-    drafter: Literal["oracle", "ngram"] = "oracle"
+    drafter: Literal["oracle", "ngram", "dflash"] = "oracle"
     oracle: str | None = Field(default=None, description="oracle file (drafter 'oracle')")
+    draft_model: str | None = Field(default=None,
+                                    description="DFlash draft model directory (drafter 'dflash')")
     prompts: list[list[int]] = Field(min_length=1, max_length=4096)
     max_tokens: int = Field(ge=1, le=65536)
     engine: dict[str, Any] = Field(default_factory=dict, description="more LLM(...) kwargs")
@@ -118,6 +120,11 @@ def llm_kwargs(run: EngineRun) -> dict[str, Any]:
                                 "num_speculative_tokens": run.num_spec}
         if run.oracle:
             extra[CONFIG_KEY] = {"path": run.oracle}
+    elif run.drafter == "dflash":
+        if not run.draft_model:
+            raise ValueError("drafter 'dflash' needs draft_model (a DFlash draft directory)")
+        spec = {"method": "dflash", "model": run.draft_model,
+                "num_speculative_tokens": run.num_spec}
     else:
         spec = {"method": "ngram", "num_speculative_tokens": run.num_spec,
                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}

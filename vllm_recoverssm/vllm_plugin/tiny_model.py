@@ -1,4 +1,5 @@
-"""A tiny GLM-5.3 that vLLM's CPU engine can serve: every layer KDA, dense MLPs.
+"""A tiny GLM-5.3 that vLLM's CPU engine can serve (every layer KDA, dense MLPs), and a
+tiny DFlash draft model for it.
 
 GLM-5.3's attention layers (MLA with the sparse DSA indexer) and its MTP layer (MLA) have
 no kernels on vLLM's CPU platform, and a hybrid page there cannot align to CPU MLA's
@@ -45,4 +46,27 @@ def write_tiny_glm53(directory: Path, **overrides: Any) -> Path:
     """Write the tiny model's ``config.json`` into ``directory`` (created) and return it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(tiny_glm53_config(**overrides), indent=1))
+    return directory
+
+
+def tiny_dflash_config(target: dict[str, Any], *, num_layers: int = 1) -> dict[str, Any]:
+    """``config.json`` of a tiny DFlash draft (vLLM's Qwen3-based ``DFlashDraftModel``) for
+    the tiny GLM-5.3 ``target``: it reads the target's hidden states of every layer."""
+    hidden = int(target["hidden_size"])
+    return dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=hidden,
+        intermediate_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden // 4, vocab_size=int(target["vocab_size"]),
+        max_position_embeddings=int(target["max_position_embeddings"]), rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+        dflash_config={"target_layer_ids": list(range(int(target["num_hidden_layers"]))),
+                       "mask_token_id": int(target["vocab_size"]) - 1},
+    )
+
+
+def write_tiny_dflash(directory: Path, target: dict[str, Any] | None = None) -> Path:
+    """Write the tiny DFlash draft's ``config.json`` into ``directory`` and return it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_dflash_config(tiny_glm53_config() if target is None else target)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
