@@ -461,15 +461,22 @@ def _empty_output() -> Any:
 
 
 def test_which_requests_are_exported(build_config: Any, distributed: None) -> None:  # noqa: F811
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import RequestStatus
+
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector.keys import bundle_key
 
     cfg = build_config(*MTP3)
     kv_config, _ = _hybrid_pages(cfg, make_layer(cfg, recovery=True))
     side = _scheduler(cfg, kv_config)
+    seen: list[str] = []
 
     def finished(req_id: str, computed: int, status: Any = RequestStatus.FINISHED_STOPPED,
                  **kwargs: Any) -> bool:
-        req = _request(req_id, list(range(1, 21)), **kwargs)
+        # tokens of its own: a response already queued for the same tokens is not repeated
+        base = 1000 * (len(seen) + 1)
+        seen.append(req_id)
+        req = _request(req_id, list(range(base, base + 20)), **kwargs)
         side.on_new_request(req)
         req.append_output_token_ids([5, 6, 7])
         req.num_computed_tokens = computed
@@ -481,6 +488,17 @@ def test_which_requests_are_exported(build_config: Any, distributed: None) -> No
     assert not finished("aborted", 22, RequestStatus.FINISHED_ABORTED)
     assert not finished("salted", 22, cache_salt="tenant-1")
     assert not finished("embeds", 22, prompt_embeds=torch.zeros(20, 8))
+    image = [MultiModalFeatureSpec(data=None, modality="image", identifier="img-0",
+                                   mm_position=PlaceholderRange(offset=2, length=4))]
+    assert not finished("image", 22, mm_features=image)
+    # nor restored, even where a bundle of the same token ids exists
+    _publish(side, bundle_key(list(range(1, 17))), [0])
+    text = _request("text", list(range(1, 21)))
+    side.on_new_request(text)
+    assert side.get_num_new_matched_tokens(text, 0) == (16, True)
+    picture = _request("picture", list(range(1, 21)), mm_features=image)
+    side.on_new_request(picture)
+    assert side.get_num_new_matched_tokens(picture, 0) == (0, False)
 
 
 def test_a_window_past_max_tokens_counts_only_the_kept_tokens(

@@ -154,7 +154,7 @@ class SchedulerSide:
         cache salt (the key holds token ids only), pooling requests.
         """
         reason = None
-        if request.prompt_token_ids is None:
+        if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
             reason = "prompt embeddings"
         elif getattr(request, "mm_features", None):
             reason = "images or other multimodal inputs"
