@@ -100,10 +100,12 @@ def metric_label(text: str, name: str, label: str) -> str:
 
 
 @contextmanager
-def vllm_serve(model: str, args: Sequence[str], log: Path) -> Iterator[Server]:
-    """Run ``vllm serve model *args`` on a free loopback port until the block ends."""
+def vllm_serve(model: str, args: Sequence[str], log: Path,
+               env_overrides: dict[str, str] | None = None) -> Iterator[Server]:
+    """Run ``vllm serve model *args`` on a free loopback port until the block ends
+    (``env_overrides``: more environment for the server, e.g. the core OpenMP binds to)."""
     port = free_port()
-    env = engine_environment(environment())
+    env = engine_environment({**environment(), **(env_overrides or {})})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vllm serve's own engine process
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
                "--host", "127.0.0.1", "--port", str(port), *args]

@@ -10,7 +10,9 @@ process it starts. Registration is cheap and touches nothing but GLM-5.3:
   whose speculative path runs our verify (:mod:`.models.glm5next.kda`). vLLM imports these
   lazily, only when a GLM-5.3 model is resolved;
 * ``EngineArgs`` learns the recovery mode (auto / ``--use-replayssm`` / ``--no-use-replayssm``
-  / ``additional_config``; :mod:`.engine_args`).
+  / ``additional_config``; :mod:`.engine_args`);
+* vLLM's KV-connector factory learns ``RecoverSSMCheckpointConnector``
+  (:mod:`.distributed.kv_connector`): request-boundary checkpoints through LMCache.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def register() -> None:
     from . import engine_args
 
     engine_args.install()
+    from .distributed import kv_connector
+
+    kv_connector.register()
     _registered = True
     from .. import __version__
 

@@ -10,9 +10,16 @@ sources):
 * 0.33 removed ``MambaStateShapeCalculator/MambaStateDtypeCalculator
   .append_kda_recoverssm_record``; the plugin no longer needs them, since the update
   records live in a per-layer scratch, not in the state pages.
+* 0.33's ``KVConnectorBase_V1`` adds ``supports_sleep_mode``, ``unregister_kv_caches`` and
+  ``restore_kv_caches`` with no-op defaults, which the checkpoint connector inherits; its
+  V2 runner moves ``wait_for_save`` before the commit when no drafter runs, one reason
+  the connector is for runner V1 only. The V1 runner keeps the order the connector relies
+  on in both versions: ``handle_preemptions`` first in a step, the forward, sampling,
+  ``_update_states_after_model_execute`` (the commit), the drafter, then ``wait_for_save``.
 * Everything else the plugin calls has the same name and signature in both versions; the
-  V1 runner hook (:func:`install_v1_commit_hook`) checks the method it wraps at install
-  time, so a future change fails at start-up with a message, not mid-request.
+  V1 runner hooks (:func:`install_v1_commit_hook`, :func:`install_v1_sample_hook`) check
+  the method they wrap at install time, so a future change fails at start-up with a
+  message, not mid-request.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ SUPPORTED_VLLM = ((0, 32), (0, 33))
 class UnsupportedVllmError(RuntimeError):
     """The installed vLLM is outside the supported range, or lacks a hook we need."""
 
+
+_KV_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 
 _LAZY: dict[str, tuple[str, str]] = {
     # models
@@ -55,6 +64,19 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MambaHybridModelState": (
         "vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState"),
     "RecoverSSMState": ("vllm.v1.worker.gpu.model_states.recoverssm", "RecoverSSMState"),
+    # KV connectors (request-boundary checkpoints)
+    "KVConnectorBase_V1": (_KV_BASE, "KVConnectorBase_V1"),
+    "KVConnectorMetadata": (_KV_BASE, "KVConnectorMetadata"),
+    "KVConnectorRole": (_KV_BASE, "KVConnectorRole"),
+    "KVConnectorTransferResults": (_KV_BASE, "KVConnectorTransferResults"),
+    "KVConnectorWorkerMetadata": (_KV_BASE, "KVConnectorWorkerMetadata"),
+    "SupportsHMA": (_KV_BASE, "SupportsHMA"),
+    "KVConnectorFactory": (
+        "vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory"),
+    "CacheHitSource": ("vllm.v1.metrics.cache_hit_source", "CacheHitSource"),
+    "RequestStatus": ("vllm.v1.request", "RequestStatus"),
+    "AttentionSpec": ("vllm.v1.kv_cache_interface", "AttentionSpec"),
+    "MambaSpec": ("vllm.v1.kv_cache_interface", "MambaSpec"),
     # configuration
     "EngineArgs": ("vllm.engine.arg_utils", "EngineArgs"),
     "ModelRegistry": ("vllm", "ModelRegistry"),
@@ -211,16 +233,82 @@ def set_forward_attn_metadata(prefix: str, metadata: Any) -> Any:
     return saved
 
 
-# -- model runner V1: the commit after sampling ------------------------------------------------
+# -- model runner V1: hooks after sampling ----------------------------------------------------
 
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V1_HOOK = "_update_states_after_model_execute"
 """The V1 runner method that runs right after sampling (``sample_tokens``), with the
 sampled tokens of every batch row (``-1`` past the accepted ones)."""
-_HOOKED = "_recoverssm_commit_hook"
+V1_SAMPLE = "_sample"
+"""The V1 runner method that samples from a step's logits (``sample_tokens``)."""
+_HOOKS = "_recoverssm_hooks"
+
+COMMIT_ORDER = 0
+"""Where the recovery commit runs among the after-sampling hooks (lower runs first)."""
 
 CommitAfterSampling = Callable[[Any, Any], None]
 """``hook(runner, sampled_token_ids)``; called after vLLM's own post-sampling update."""
+BeforeSampling = Callable[[Any, Any, Any], None]
+"""``hook(runner, logits, spec_decode_metadata)``; called before vLLM samples."""
+
+
+def _v1_runner_cls() -> Any:
+    return getattr(importlib.import_module(V1_RUNNER[0]), V1_RUNNER[1])
+
+
+def _install_v1_wrapper(method: str, params: list[str], hook: Callable[..., None],
+                        order: int, after: bool) -> None:
+    """Wrap the V1 runner's ``method`` once; every hook joins the wrapper's ordered list.
+
+    A method replaced since (a newer wrapper of someone else, a test) gets a fresh
+    wrapper and list, so hooks never outlive the method they were installed on.
+    """
+    runner_cls: Any = _v1_runner_cls()
+    current = getattr(runner_cls, method, None)
+    if current is None:
+        raise UnsupportedVllmError(
+            f"vLLM {vllm_version()}'s V1 model runner has no {method}(); vllm-recoverssm "
+            "cannot hook it"
+        )
+    hooks: list[tuple[int, Callable[..., None]]] | None = getattr(current, _HOOKS, None)
+    if hooks is None:
+        have = list(inspect.signature(current).parameters)
+        if have[: len(params)] != params:
+            raise UnsupportedVllmError(
+                f"vLLM {vllm_version()}'s {method} takes {have}, not ({', '.join(params)}); "
+                "vllm-recoverssm cannot hook it"
+            )
+        original = getattr(current, "__wrapped__", current)
+        hooks = []
+        wrapper = _after_wrapper(original, hooks) if after else _before_wrapper(original, hooks)
+        setattr(wrapper, _HOOKS, hooks)
+        setattr(runner_cls, method, wrapper)
+    if all(h is not hook for _, h in hooks):
+        hooks.append((order, hook))
+        hooks.sort(key=lambda item: item[0])  # stable: equal orders keep install order
+
+
+def _after_wrapper(original: Callable[..., Any],
+                   hooks: list[tuple[int, Callable[..., None]]]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def after_sampling(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
+        result = original(self, output_token_ids, scheduler_output)
+        for _, hook in list(hooks):
+            hook(self, output_token_ids)
+        return result
+
+    return after_sampling
+
+
+def _before_wrapper(original: Callable[..., Any],
+                    hooks: list[tuple[int, Callable[..., None]]]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
+        for _, hook in list(hooks):
+            hook(self, logits, spec_decode_metadata)
+        return original(self, logits, spec_decode_metadata)
+
+    return sample
 
 
 def install_v1_commit_hook(hook: CommitAfterSampling) -> None:
@@ -231,36 +319,105 @@ def install_v1_commit_hook(hook: CommitAfterSampling) -> None:
     scheduler_output)`` is where it settles hybrid models' speculative state after
     sampling, so the commit goes right after it.
     """
-    runner_cls: Any = getattr(importlib.import_module(V1_RUNNER[0]), V1_RUNNER[1])
-    current = getattr(runner_cls, V1_HOOK, None)
-    if current is None:
-        raise UnsupportedVllmError(
-            f"vLLM {vllm_version()}'s V1 model runner has no {V1_HOOK}(); vllm-recoverssm "
-            "cannot commit accepted state there"
-        )
-    if getattr(current, _HOOKED, None) is hook:
-        return
-    params = list(inspect.signature(current).parameters)
-    if params[:3] != ["self", "output_token_ids", "scheduler_output"]:
-        raise UnsupportedVllmError(
-            f"vLLM {vllm_version()}'s {V1_HOOK} takes {params}, not (self, "
-            "output_token_ids, scheduler_output); vllm-recoverssm cannot hook it"
-        )
-    original = getattr(current, "__wrapped__", current)
+    install_v1_after_sampling_hook(hook, COMMIT_ORDER)
 
-    @functools.wraps(original)
-    def after_sampling(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
-        result = original(self, output_token_ids, scheduler_output)
-        hook(self, output_token_ids)
-        return result
 
-    setattr(after_sampling, _HOOKED, hook)
-    setattr(runner_cls, V1_HOOK, after_sampling)
+def install_v1_after_sampling_hook(hook: CommitAfterSampling, order: int) -> None:
+    """Run ``hook`` after the V1 runner's post-sampling update, ordered by ``order``.
+
+    The recovery commit has order :data:`COMMIT_ORDER`; a request-boundary capture that
+    must see committed state uses a higher order (idempotent per hook).
+    """
+    _install_v1_wrapper(V1_HOOK, ["self", "output_token_ids", "scheduler_output"], hook,
+                        order, after=True)
+
+
+def install_v1_sample_hook(hook: BeforeSampling) -> None:
+    """Run ``hook(runner, logits, spec_decode_metadata)`` before the V1 runner samples.
+
+    The logits are the step's raw logits (before any in-place sampling transform); a
+    request-boundary checkpoint keeps the row that sampled a request's last token.
+    """
+    _install_v1_wrapper(V1_SAMPLE, ["self", "logits", "spec_decode_metadata"], hook, 0,
+                        after=False)
+
+
+def runner_request_ids(runner: Any) -> list[str | None]:
+    """The request id of every batch row of a V1 runner's step (row order)."""
+    return list(runner.input_batch.req_ids)
 
 
 def runner_forward_context(runner: Any) -> dict[str, Any]:
     """The layer table (``static_forward_context``) of a model runner's config."""
     return runner.compilation_config.static_forward_context  # type: ignore[no-any-return]
+
+
+# -- KV connectors ----------------------------------------------------------------------------
+
+def register_kv_connector(name: str, module_path: str, class_name: str) -> None:
+    """Register a KV connector with vLLM's factory under ``name`` (idempotent).
+
+    vLLM resolves the class lazily, in each process that builds a connector.
+    """
+    factory: Any = __getattr__("KVConnectorFactory")
+    try:
+        factory.register_connector(name, module_path, class_name)
+    except ValueError:
+        # vLLM raises for a second registration of a name; ours is the same target.
+        cls = factory.get_connector_class_by_name(name)
+        if (cls.__module__, cls.__name__) != (module_path, class_name):
+            raise UnsupportedVllmError(
+                f"another KV connector is already registered as {name!r} "
+                f"({cls.__module__}.{cls.__name__})"
+            ) from None
+
+
+def tensor_parallel_rank_size() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and the tensor-parallel size."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+
+
+def uses_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether vLLM runs this config with its GPU model runner V2."""
+    return bool(vllm_config.use_v2_model_runner)
+
+
+def layer_table(vllm_config: Any) -> dict[str, Any]:
+    """The layers vLLM built for ``vllm_config``, by name (``static_forward_context``)."""
+    return vllm_config.compilation_config.static_forward_context  # type: ignore[no-any-return]
+
+
+def is_mamba_spec(spec: Any) -> bool:
+    """Whether a KV-cache group spec is a Mamba-style state (KDA, GDN) spec."""
+    return isinstance(spec, __getattr__("MambaSpec"))
+
+
+def is_attention_spec(spec: Any) -> bool:
+    """Whether a KV-cache group spec holds per-token attention KV (full attention, MLA)."""
+    return isinstance(spec, __getattr__("AttentionSpec"))
+
+
+def group_specs(spec: Any) -> list[Any]:
+    """The per-layer specs of a group spec (a uniform-type group lists several)."""
+    specs = getattr(spec, "kv_cache_specs", None)
+    return list(specs.values()) if isinstance(specs, dict) else [spec]
+
+
+def kv_connector_worker_stats() -> dict[str, Any] | None:
+    """The counters of this process's request-boundary checkpoint connector worker, if one
+    runs here (an in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    stats = getattr(side, "stats", None)
+    return stats.as_dict() if stats is not None else None
 
 
 # -- the offline engine's allocation (tests and demos, in-process engine core) ------------------

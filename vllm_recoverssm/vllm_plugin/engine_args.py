@@ -11,7 +11,8 @@ three ``EngineArgs`` methods (it calls the originals; it does not replace their 
   (mode on). vLLM's own ReplaySSM flag would reject GLM-5.3, so the flag is cleared before
   vLLM validates the config; on every other architecture it is left to vLLM. After the
   config is built, the decision is taken, logged once, and a forced but ineligible
-  deployment fails here, at start-up, listing every failing condition.
+  deployment fails here, at start-up, listing every failing condition; so does a KV
+  connector that cannot be correct for GLM-5.3 (:mod:`.distributed.kv_connector.startup`).
 
 The mode travels in ``additional_config["recoverssm"]``; from Python (``LLM(...)``) pass
 ``additional_config={"recoverssm": "off"}`` to opt out, since there ``use_replayssm=False``
@@ -100,7 +101,11 @@ def apply_force_flag(engine_args: Any) -> None:
 
 
 def check_at_startup(vllm_config: Any) -> None:
-    """Decide, log once, and raise ``IneligibleError`` for a forced ineligible deployment."""
+    """Decide, log once, and raise ``IneligibleError`` for a forced ineligible deployment;
+    refuse a KV connector that cannot be correct here (one line naming why)."""
+    from .distributed.kv_connector.startup import check_kv_connector
+
+    check_kv_connector(vllm_config)
     decision = decide_for_vllm_config(vllm_config)
     if is_glm53(vllm_config):
         log_decision_once(vllm_config, decision)

@@ -7,6 +7,12 @@ spec-decode counters, preemptions, tokens/s, the recovery decision the plugin lo
 the state memory read from vLLM's KV-cache allocation (blocks, bytes per block, blocks per
 request, vLLM's own maximum-concurrency figure, the record scratch the layers allocated).
 
+A spec may add ``waves``: further ``generate`` calls in the same engine after the first,
+whose prompts may extend an earlier request (:class:`FollowUp`: its prompt, its answer,
+new tokens), and a ``kv_transfer_config``; each wave then reports its own outputs,
+``num_cached_tokens``, time and vLLM's cache-hit counters, and the report carries the
+request-boundary checkpoint connector's counters.
+
 One engine per process: vLLM's CPU platform registers its kernel overrides once per
 process, and a second ``LLM`` in the same process fails there. ``recoverssm demo --engine
 vllm`` and the engine tests start this module once per engine (:func:`run_in_subprocess`).
@@ -27,6 +33,16 @@ from pydantic import BaseModel, ConfigDict, Field
 MODULE = "vllm_recoverssm.vllm_plugin.run_engine"
 
 
+class FollowUp(BaseModel):
+    """A prompt made from an earlier request of the run: its prompt and its output, then
+    ``extra`` (a follow-up turn)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after: tuple[int, int] = Field(description="(wave, index) of the earlier request")
+    extra: list[int] = Field(default_factory=list, max_length=65536)
+
+
 class EngineRun(BaseModel):
     """One engine run: model, recovery mode, drafter, prompts and engine arguments."""
 
@@ -45,6 +61,10 @@ class EngineRun(BaseModel):
     preempt_after_steps: int | None = Field(
         default=None, ge=1,
         description="preempt every running request once, after this many engine steps")
+    waves: list[list[list[int] | FollowUp]] = Field(
+        default_factory=list, max_length=64,
+        description="more generate() calls in the same engine, after `prompts`")
+    kv_transfer_config: dict[str, Any] | None = None
 
 
 class KVReport(BaseModel):
@@ -60,6 +80,21 @@ class KVReport(BaseModel):
     """vLLM's own figure for ``max_model_len``-token requests."""
     scratch_bytes: int
     """The recovery record scratch of all layers (0 with full states)."""
+
+
+class WaveReport(BaseModel):
+    """One ``generate`` call of a run."""
+
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    num_cached_tokens: list[int]
+    seconds: float
+    prompt_tokens: int
+    local_hits: int
+    """vLLM's own prefix-cache hits (tokens) in this wave."""
+    external_hits: int
+    """Tokens a KV connector supplied in this wave."""
+    cached_by_source: dict[str, int]
 
 
 class EngineReport(BaseModel):
@@ -79,6 +114,10 @@ class EngineReport(BaseModel):
     generated_tokens: int
     seconds: float
     kv: KVReport
+    waves: list[WaveReport] = Field(default_factory=list)
+    """Every ``generate`` call, the first included (runs with ``waves`` only)."""
+    connector: dict[str, Any] | None = None
+    """The request-boundary checkpoint connector's worker counters, when one is set."""
 
     @property
     def acceptance(self) -> float:
@@ -171,6 +210,31 @@ def _metric(metrics: list[Any], name: str) -> int:
     return 0
 
 
+def _by_source(metrics: list[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in metrics:
+        if m.name == "vllm:prompt_tokens_cached_by_source" and hasattr(m, "value"):
+            source = str(m.labels.get("source", "unknown"))
+            out[source] = out.get(source, 0) + int(m.value)
+    return out
+
+
+def resolve_prompts(wave: list[list[int] | FollowUp],
+                    done: list[tuple[list[list[int]], list[list[int]]]]) -> list[list[int]]:
+    """A wave's token-id prompts; a follow-up is its earlier request's prompt and output
+    plus its extra tokens."""
+    out = []
+    for item in wave:
+        if isinstance(item, FollowUp):
+            w, i = item.after
+            if not 0 <= w < len(done) or not 0 <= i < len(done[w][0]):
+                raise ValueError(f"follow-up of request {i} of wave {w}: no such request")
+            out.append(done[w][0][i] + done[w][1][i] + item.extra)
+        else:
+            out.append(list(item))
+    return out
+
+
 def _generate(llm: Any, run: EngineRun, params: Any) -> list[Any]:
     prompts = [{"prompt_token_ids": p} for p in run.prompts]
     if run.preempt_after_steps is None:
@@ -197,12 +261,32 @@ def run(run: EngineRun) -> EngineReport:
     from . import compat
     from .config import recovery_enabled
 
-    llm = LLM(**llm_kwargs(run))
+    kwargs = llm_kwargs(run)
+    if run.kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = run.kv_transfer_config
+    llm: Any = LLM(**kwargs)
     params = SamplingParams(max_tokens=run.max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outs = _generate(llm, run, params)
     seconds = time.perf_counter() - start
     metrics = llm.get_metrics()
+    waves: list[WaveReport] = []
+    if run.waves:
+        waves.append(_wave_report([list(p) for p in run.prompts], outs, seconds, [], metrics))
+        done = [(waves[0].prompts, waves[0].outputs)]
+        for wave in run.waves:
+            prompts = resolve_prompts(wave, done)
+            before = metrics
+            t0 = time.perf_counter()
+            wave_outs = list(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                          use_tqdm=False))
+            took = time.perf_counter() - t0
+            metrics = llm.get_metrics()
+            waves.append(_wave_report(prompts, wave_outs, took, before, metrics))
+            done.append((prompts, waves[-1].outputs))
+    connector = None
+    if run.kv_transfer_config is not None:
+        connector = compat.kv_connector_worker_stats()
     return EngineReport(
         vllm_version=compat.vllm_version(), mode=run.mode,
         recovery=recovery_enabled(llm.llm_engine.vllm_config), decision=[],
@@ -213,7 +297,24 @@ def run(run: EngineRun) -> EngineReport:
         accepted_tokens=_metric(metrics, "vllm:spec_decode_num_accepted_tokens"),
         preemptions=_metric(metrics, "vllm:num_preemptions"),
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), seconds=seconds,
-        kv=KVReport(**compat.kv_allocation(llm)),
+        kv=KVReport(**compat.kv_allocation(llm)), waves=waves, connector=connector,
+    )
+
+
+def _wave_report(prompts: list[list[int]], outs: list[Any], seconds: float,
+                 before: list[Any], after: list[Any]) -> WaveReport:
+    def delta(name: str) -> int:
+        return _metric(after, name) - _metric(before, name)
+
+    old = _by_source(before)
+    return WaveReport(
+        prompts=prompts, outputs=[list(o.outputs[0].token_ids) for o in outs],
+        num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs], seconds=seconds,
+        prompt_tokens=sum(len(p) for p in prompts),
+        local_hits=delta("vllm:prefix_cache_hits"),
+        external_hits=delta("vllm:external_prefix_cache_hits"),
+        cached_by_source={k: v - old.get(k, 0) for k, v in _by_source(after).items()
+                          if v - old.get(k, 0)},
     )
 
 

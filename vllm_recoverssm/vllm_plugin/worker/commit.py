@@ -14,6 +14,11 @@ step, so the plugin hooks the method it runs right after sampling
 * a request-boundary export that reads the state after the step sees it committed, with
   zero speculative offset.
 
+A request that ends in this step may have more tokens accepted than it keeps (vLLM cuts
+the output at ``max_tokens``); a registered limit (:func:`register_commit_limit`) then
+commits only the kept tokens, so the finished request's page holds the state of its
+final tokens, which a request-boundary export stores.
+
 Each KV-cache group's :class:`~..attention.recover_kda.RecoveryCommitContext` registers
 itself here when its builder is created (in the worker, after the runner module is
 loaded); the hook finds the contexts of the runner that sampled through the runner's layer
@@ -23,6 +28,7 @@ table.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +39,16 @@ if TYPE_CHECKING:
     from ..attention.recover_kda import RecoveryCommitContext
 
 _contexts: weakref.WeakSet[RecoveryCommitContext] = weakref.WeakSet()
+
+CommitLimit = Callable[[Any, torch.Tensor], torch.Tensor]
+"""``limit(runner, num_sampled) -> num_sampled``: fewer tokens for some rows, never more."""
+_limits: list[CommitLimit] = []
+
+
+def register_commit_limit(limit: CommitLimit) -> None:
+    """Commit at most ``limit``'s count per row (rows of requests that end this step)."""
+    if limit not in _limits:
+        _limits.append(limit)
 
 
 def register_commit_context(context: RecoveryCommitContext) -> None:
@@ -53,5 +69,7 @@ def commit_after_sampling(runner: Any, sampled_token_ids: torch.Tensor) -> None:
     if not mine:
         return
     num_sampled = sampled_counts(sampled_token_ids)
+    for limit in list(_limits):
+        num_sampled = torch.minimum(num_sampled, limit(runner, num_sampled))
     for context in mine:
         context.commit_step(num_sampled)

@@ -26,6 +26,7 @@ import torch
 
 from .... import ops
 from ...attention.recover_kda import dim_first_conv, to_ops_slots
+from ...distributed.kv_connector import taps as state_taps
 
 
 def _split_heads(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -52,7 +53,9 @@ def prompt_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
 
     ``qkv`` ``[T, 3*h*D]`` holds exactly those rows' tokens in order (before the short
     conv), ``raw_g`` ``[1, T, h, D]`` and ``raw_beta`` ``[1, T, h]`` their raw gates. The
-    final state and conv history of each row are written back to its slot.
+    final state and conv history of each row are written back to its slot. Rows with
+    request-boundary state taps installed (:mod:`...distributed.kv_connector.taps`) also
+    hand over their state at each tapped position.
     """
     qsl = meta.non_spec_query_start_loc
     rows = int(qsl.numel()) - 1
@@ -65,14 +68,68 @@ def prompt_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
             # A request's first chunk must not see what the slot's previous owner left.
             state[fresh] = 0
             conv_state[fresh] = 0
+    tapped = _usable_taps(layer, slots, qsl)
+    history: dict[int, torch.Tensor] = {}
     with dim_first_conv(layer.conv_state_dim_first_view(conv_state), slots) as (conv, idx):
+        hist_len = layer.merged_conv_weight().shape[1] - 1
+        for row in tapped:
+            history[row] = conv[int(idx[row]), :, :hist_len].clone()
         x = ops.conv_prefill(qkv.contiguous(), conv, layer.merged_conv_weight(),
                              layer.q_conv1d.bias, idx, qsl, activation="silu")
     q, k, v = _split_heads(layer, x)
     g, beta = _gate_inputs(layer, raw_g, raw_beta)
     a_log, dt_bias = _gate_params(layer)
-    return ops.prefill(q, k, v, g, beta, a_log, dt_bias, state, slots, qsl,
-                       layer.kda_lower_bound, out_dtype=qkv.dtype)
+    if not tapped:
+        return ops.prefill(q, k, v, g, beta, a_log, dt_bias, state, slots, qsl,
+                           layer.kda_lower_bound, out_dtype=qkv.dtype)
+    untapped = slots.clone()
+    untapped[list(tapped)] = -1  # null rows: computed below, segment by segment
+    out = ops.prefill(q, k, v, g, beta, a_log, dt_bias, state, untapped, qsl,
+                      layer.kda_lower_bound, out_dtype=qkv.dtype)
+    bounds = qsl.tolist()
+    for row, row_taps in tapped.items():
+        start, end = bounds[row], bounds[row + 1]
+        slot = int(slots[row])
+        # The conv history after ``o`` row tokens is the window ending there.
+        seq = torch.cat([history[row], qkv[start:end].t().to(history[row].dtype)], dim=1)
+        done = 0
+        for offset, key in sorted(zip(row_taps.offsets, row_taps.keys, strict=True)):
+            if offset > done:
+                _prefill_segment(layer, out, q, k, v, g, beta, a_log, dt_bias, state, slot,
+                                 start + done, start + offset, qkv.dtype)
+                done = offset
+            state_taps.deliver(key, layer.prefix, seq[:, offset:offset + hist_len].clone(),
+                               state[slot].clone())
+        if done < end - start:
+            _prefill_segment(layer, out, q, k, v, g, beta, a_log, dt_bias, state, slot,
+                             start + done, end, qkv.dtype)
+    return out
+
+
+def _usable_taps(layer: Any, slots: torch.Tensor, qsl: torch.Tensor) -> dict[int, Any]:
+    """Tapped rows whose length is the one the taps were planned for."""
+    if not state_taps.active():
+        return {}
+    found = state_taps.row_taps(layer.prefix, slots.tolist())
+    if not found:
+        return {}
+    bounds = qsl.tolist()
+    return {row: taps for row, taps in found.items()
+            if bounds[row + 1] - bounds[row] == taps.row_len}
+
+
+def _prefill_segment(layer: Any, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor, state: torch.Tensor, slot: int, start: int, end: int,
+                     out_dtype: torch.dtype) -> None:
+    """Tokens ``start:end`` of one row, continuing from its slot (the same sequential
+    arithmetic as one call over the whole row)."""
+    piece = slice(start, end)
+    one = torch.tensor([slot], dtype=torch.int32, device=state.device)
+    qsl = torch.tensor([0, end - start], dtype=torch.int32, device=state.device)
+    out[piece] = ops.prefill(q[piece], k[piece], v[piece], g[piece], beta[piece], a_log,
+                             dt_bias, state, one, qsl, layer.kda_lower_bound,
+                             out_dtype=out_dtype)
 
 
 def full_state_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,

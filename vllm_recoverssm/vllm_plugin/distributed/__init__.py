@@ -1,0 +1,1 @@
+"""The plugin's additions to vLLM's ``vllm.distributed`` (KV connectors)."""

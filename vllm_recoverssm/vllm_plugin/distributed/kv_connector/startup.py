@@ -1,0 +1,79 @@
+"""Start-up checks of KV connectors for GLM-5.3: ours configured right, LMCache's refused
+where they cannot be correct.
+
+Run in the front end after vLLM built its config (:func:`..engine_args.check_at_startup`),
+so every refusal is one line at engine start, before any process is spawned:
+
+* ``RecoverSSMCheckpointConnector``: its settings (:mod:`.settings`), and what it is
+  verified for: GLM-5.3, vLLM's model runner V1 without asynchronous scheduling, prefix
+  caching off (vLLM's align-mode state blocks are not verified: vLLM's CPU engine cannot run
+  them), pipeline parallel size 1. It also sets ``kv_load_failure_policy="recompute"``: a
+  restore that fails on any rank makes vLLM compute the request from scratch.
+* ``LMCacheConnectorV1`` cannot hold a hybrid model's state (it does not support vLLM's
+  hybrid KV-cache manager; vLLM would fail later with an obscure message): refused.
+* ``LMCacheMPConnector`` moves block-aligned state pages only, which needs prefix caching
+  (mamba cache mode ``align``): refused without it. Under recovery it is a generic
+  connector for the eligibility rules (automatic mode keeps full states, forced recovery
+  fails, listing it); under full state with prefix caching it is LMCache's own supported
+  path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ... import compat
+from ...config import is_glm53
+from .settings import CONNECTOR_NAME, settings_from_config
+
+LMCACHE_V1 = "LMCacheConnectorV1"
+LMCACHE_MP = "LMCacheMPConnector"
+
+
+class ConnectorRefusedError(ValueError):
+    """A KV connector cannot be correct for this deployment (one line, at start-up)."""
+
+
+def check_kv_connector(vllm_config: Any) -> None:
+    """Raise :class:`ConnectorRefusedError` (or the settings' error) for a connector that
+    cannot work here; configure ours. A no-op without a connector."""
+    kt = vllm_config.kv_transfer_config
+    if kt is None or kt.kv_connector is None:
+        return
+    name = kt.kv_connector
+    glm = is_glm53(vllm_config)
+    arch = vllm_config.model_config.architecture
+    cache = vllm_config.cache_config
+    if name == CONNECTOR_NAME:
+        settings_from_config(vllm_config)
+        problem = None
+        if not glm:
+            problem = (f"it checkpoints the plugin's GLM-5.3 KDA layers, and {arch} is not "
+                       "GLM-5.3")
+        elif compat.uses_v2_model_runner(vllm_config):
+            problem = ("it runs under vLLM's model runner V1 only (its capture hooks follow "
+                       "V1's commit after sampling); unset VLLM_USE_V2_MODEL_RUNNER")
+        elif vllm_config.scheduler_config.async_scheduling:
+            problem = "asynchronous scheduling is not supported; pass --no-async-scheduling"
+        elif cache.enable_prefix_caching and cache.mamba_cache_mode == "align":
+            problem = ("prefix caching's align-mode state blocks are not supported yet; pass "
+                       "--no-enable-prefix-caching")
+        elif vllm_config.parallel_config.pipeline_parallel_size > 1:
+            problem = "pipeline parallelism is not supported"
+        if problem:
+            raise ConnectorRefusedError(f"kv_connector {CONNECTOR_NAME}: {problem}")
+        kt.kv_load_failure_policy = "recompute"
+        return
+    if not glm:
+        return
+    if name == LMCACHE_V1:
+        raise ConnectorRefusedError(
+            f"kv_connector {LMCACHE_V1} cannot store GLM-5.3's KDA state (it does not "
+            f"support vLLM's hybrid KV-cache manager); use {CONNECTOR_NAME} for "
+            "request-boundary checkpoints")
+    if name == LMCACHE_MP and not (cache.enable_prefix_caching
+                                   and cache.mamba_cache_mode == "align"):
+        raise ConnectorRefusedError(
+            f"kv_connector {LMCACHE_MP} stores block-aligned state pages only and needs "
+            f"prefix caching (mamba cache mode 'align'); enable prefix caching or use "
+            f"{CONNECTOR_NAME}")
