@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +22,16 @@ def test_corruption_rate_reaches_the_asked_acceptance(num_spec: int) -> None:
         assert abs(share - target) < 1e-6 and 0.0 <= q <= 1.0
 
 
-def test_demo_engine_vllm_serves_both_modes_with_the_same_tokens() -> None:
+def test_demo_engine_vllm_serves_both_modes_and_restores_wave_two_from_disk(
+    tmp_path: Path,
+) -> None:
+    """The main table (both modes, allocation) and the disk checkpoint table: wave 2 runs
+    in fresh engine processes that restore every follow-up turn from the store."""
+    store = tmp_path / "store"
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_recoverssm.cli.main", "demo", "--engine", "vllm",
-         "--requests", "3", "--max-new-tokens", "8", "--num-spec", "2", "--json"],
+         "--requests", "3", "--max-new-tokens", "8", "--num-spec", "2", "--json",
+         "--checkpoint", "disk", "--checkpoint-dir", str(store)],
         cwd=REPO, env=environment(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -35,6 +42,25 @@ def test_demo_engine_vllm_serves_both_modes_with_the_same_tokens() -> None:
     assert rec["kv"]["blocks_per_request"] == 1 and full["kv"]["blocks_per_request"] == 3
     assert rec["kv"]["num_blocks"] == full["kv"]["num_blocks"]
     assert "demo: engine recovery" in proc.stderr  # progress lines
+    lengths = report["prompt_lengths"]
+    for mode in ("recovery", "full_state"):
+        wave2 = report["checkpoints"][mode]
+        assert wave2["outputs_identical"] and wave2["exports_flushed"], wave2
+        # each follow-up restores its first turn's response bundle: prompt + answer - 1
+        assert wave2["restored_per_request"] == [n + 8 - 1 for n in lengths]
+        assert wave2["computed_restored"] == wave2["prompt_tokens"] - sum(
+            wave2["restored_per_request"]) < wave2["computed_cold"]
+    assert any(store.rglob("*")), "the disk store stays where --checkpoint-dir named"
+
+
+def test_demo_checkpoint_dir_needs_the_disk_backend(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_recoverssm.cli.main", "demo", "--engine", "vllm",
+         "--checkpoint", "ram", "--checkpoint-dir", str(tmp_path)], cwd=REPO,
+        env=environment(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "--checkpoint-dir" in line and "only --checkpoint disk" in line
 
 
 def test_demo_engine_vllm_rejects_bad_numbers() -> None:

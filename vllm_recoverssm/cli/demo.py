@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="reference: the project's decode loop (default); vllm: the tiny "
                         "GLM-5.3 through vLLM's own LLM engine with the plugin, both modes "
                         "(needs vLLM; --requests, --max-new-tokens, --num-spec, "
-                        "--acceptance, --seed, --json apply)")
+                        "--acceptance, --seed, --checkpoint, --checkpoint-dir, --json "
+                        "apply)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run (default: cuda when present, else cpu)")
     p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
@@ -227,8 +228,15 @@ def format_checkpoints(report: DemoReport) -> list[str]:
     return lines
 
 
+def check_checkpoint_dir(args: argparse.Namespace) -> None:
+    """``--checkpoint-dir`` only with ``--checkpoint disk`` (``UsageError`` otherwise)."""
+    if args.checkpoint_dir is not None and args.checkpoint != "disk":
+        raise flag_error("--checkpoint-dir", "only --checkpoint disk writes files")
+
+
 ENGINE_DEMO_FLAGS = {"num_requests": "--requests", "max_new_tokens": "--max-new-tokens",
-                     "num_spec": "--num-spec", "acceptance": "--acceptance", "seed": "--seed"}
+                     "num_spec": "--num-spec", "acceptance": "--acceptance", "seed": "--seed",
+                     "checkpoint": "--checkpoint", "checkpoint_dir": "--checkpoint-dir"}
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -244,8 +252,11 @@ def run_vllm(args: argparse.Namespace) -> int:
         run_engine_demo,
     )
 
+    check_checkpoint_dir(args)
     fields: dict[str, object] = dict(num_spec=args.num_spec, acceptance=args.acceptance,
-                                     seed=args.seed)
+                                     seed=args.seed, checkpoint=args.checkpoint)
+    if args.checkpoint_dir is not None:
+        fields["checkpoint_dir"] = str(args.checkpoint_dir)
     if args.requests is not None:
         fields["num_requests"] = args.requests
     if args.max_new_tokens is not None:
@@ -273,8 +284,7 @@ def run_vllm(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> DemoOptions:
     """The demo's options from the flags; ``UsageError`` names a bad flag (nothing runs)."""
-    if args.checkpoint_dir is not None and args.checkpoint != "disk":
-        raise flag_error("--checkpoint-dir", "only --checkpoint disk writes files")
+    check_checkpoint_dir(args)
     try:
         return DemoOptions(
             device=args.device, model=args.model, num_requests=args.requests,

@@ -408,16 +408,36 @@ def group_specs(spec: Any) -> list[Any]:
     return list(specs.values()) if isinstance(specs, dict) else [spec]
 
 
-def kv_connector_worker_stats() -> dict[str, Any] | None:
-    """The counters of this process's request-boundary checkpoint connector worker, if one
-    runs here (an in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+def kv_connector_worker() -> Any | None:
+    """This process's KV connector worker side (``_worker`` of the connector vLLM built for
+    this rank), if a connector with one runs here (an in-process engine:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return None
-    side = getattr(get_kv_transfer_group(), "_worker", None)
-    stats = getattr(side, "stats", None)
+    return getattr(get_kv_transfer_group(), "_worker", None)
+
+
+def kv_connector_worker_stats() -> dict[str, Any] | None:
+    """The counters of this process's request-boundary checkpoint connector worker, if one
+    runs here (see :func:`kv_connector_worker`)."""
+    stats = getattr(kv_connector_worker(), "stats", None)
     return stats.as_dict() if stats is not None else None
+
+
+def in_process_engine_core(llm: Any) -> Any | None:
+    """The engine core of an offline ``vllm.LLM`` when it runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); None when it runs in a process of its own."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    return getattr(client, "engine_core", None)
+
+
+def engine_has_connector_work(core: Any) -> bool:
+    """The scheduler still holds requests that ended (blocks kept for a connector) but no
+    live ones: one more engine step hands their exports to the workers."""
+    scheduler = core.scheduler
+    return bool(scheduler.has_requests()) and not scheduler.has_unfinished_requests()
 
 
 # -- the offline engine's allocation (tests and demos, in-process engine core) ------------------
@@ -432,7 +452,10 @@ def kv_allocation(llm: Any) -> dict[str, Any]:
     """
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    core = llm.llm_engine.engine_core.engine_core
+    core = in_process_engine_core(llm)
+    if core is None:
+        raise RuntimeError("kv_allocation needs an in-process engine core "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     kv_config = core.scheduler.kv_cache_config
     vllm_config = llm.llm_engine.vllm_config
     allocated = sum(int(t.size) for t in kv_config.kv_cache_tensors)

@@ -7,6 +7,13 @@ the oracle drafter corrupting drafts to reach the asked acceptance. It reports t
 draft acceptance from vLLM's counters, the state bytes each request holds as vLLM
 allocated them (beside the planner's figure), vLLM's maximum concurrency for the same
 KV-cache bytes, and whether the two outputs are identical.
+
+With ``checkpoint`` (``ram`` or ``disk``) every engine also runs a second wave: each
+request's follow-up turn (its prompt, its answer, new tokens). Each mode then runs again
+with the request-boundary checkpoint connector: with ``ram`` both waves in one engine,
+with ``disk`` wave 1 in a fresh engine process that reads the store the first one wrote.
+The report compares wave 2's prefill work and time, computed cold against restored, and
+its tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from pydantic import BaseModel, Field
 
 from ..config.models import model_spec_from_hf_config
 from ..state.planner import PlanConfig, plan
-from .run_engine import EngineReport, EngineRun, run_in_subprocess
+from .distributed.kv_connector.settings import CONNECTOR_NAME
+from .run_engine import EngineReport, EngineRun, FollowUp, WaveReport, run_in_subprocess
 from .spec_decode.oracle import write_oracle
 from .tiny_model import tiny_glm53_config, write_tiny_glm53
 
@@ -42,6 +50,16 @@ class EngineDemoOptions(BaseModel):
     seed: int = Field(default=0, ge=0, le=2**31)
     max_num_seqs: int = Field(default=4, ge=1, le=64)
     kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 20, le=1 << 34)
+    checkpoint: Literal["ram", "disk"] | None = None
+    checkpoint_dir: str | None = Field(
+        default=None, description="with checkpoint 'disk': the store (default: a temporary "
+                                  "directory)")
+    follow_up_tokens: int = Field(default=8, ge=1, le=512)
+
+    def model_post_init(self, _context: Any) -> None:
+        """A store directory only makes sense for the disk backend."""
+        if self.checkpoint_dir is not None and self.checkpoint != "disk":
+            raise ValueError("checkpoint_dir needs checkpoint 'disk'")
 
 
 def corruption_for(acceptance: float, num_spec: int) -> float:
@@ -61,6 +79,54 @@ def corruption_for(acceptance: float, num_spec: int) -> float:
 
 
 @dataclass
+class WaveTwo:
+    """Wave 2 (the follow-up turns) of one mode: computed cold and restored."""
+
+    backend: str
+    cold: WaveReport
+    restored: WaveReport
+    connector: dict[str, Any]
+    flushed: bool
+
+    @property
+    def restored_tokens(self) -> int:
+        """Prompt tokens the connector restored (vLLM's external cached tokens)."""
+        return sum(self.restored.num_cached_tokens)
+
+    @property
+    def computed_cold(self) -> int:
+        """Prompt tokens computed without the connector."""
+        return self.cold.prompt_tokens - sum(self.cold.num_cached_tokens)
+
+    @property
+    def computed_restored(self) -> int:
+        """Prompt tokens computed with the connector."""
+        return self.restored.prompt_tokens - self.restored_tokens
+
+    @property
+    def outputs_identical(self) -> bool:
+        """Restored and cold wave-2 outputs equal token for token."""
+        return self.restored.outputs == self.cold.outputs
+
+    @property
+    def every_request_restored(self) -> bool:
+        """Each follow-up turn restored part of its prompt."""
+        return all(n > 0 for n in self.restored.num_cached_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        return {"backend": self.backend, "prompt_tokens": self.cold.prompt_tokens,
+                "computed_cold": self.computed_cold,
+                "computed_restored": self.computed_restored,
+                "restored_tokens": self.restored_tokens,
+                "restored_per_request": self.restored.num_cached_tokens,
+                "cold_seconds": self.cold.seconds, "restored_seconds": self.restored.seconds,
+                "outputs_identical": self.outputs_identical,
+                "every_request_restored": self.every_request_restored,
+                "exports_flushed": self.flushed, "connector": self.connector}
+
+
+@dataclass
 class EngineDemoReport:
     """Both modes' engine reports and the figures compared."""
 
@@ -70,6 +136,7 @@ class EngineDemoReport:
     modes: dict[str, EngineReport]
     planner_bytes: dict[str, int]
     wall_seconds: float
+    checkpoints: dict[str, WaveTwo] | None = None
 
     @property
     def outputs_identical(self) -> bool:
@@ -83,9 +150,15 @@ class EngineDemoReport:
                    for m in MODES)
 
     @property
+    def checkpoints_ok(self) -> bool:
+        """With checkpoints: wave 2 restored every request, identically, in both modes."""
+        return all(c.outputs_identical and c.every_request_restored and c.flushed
+                   for c in (self.checkpoints or {}).values())
+
+    @property
     def ok(self) -> bool:
-        """Identical outputs and the planner's figures."""
-        return self.outputs_identical and self.bytes_match_planner
+        """Identical outputs and the planner's figures (and the checkpoints' verdict)."""
+        return self.outputs_identical and self.bytes_match_planner and self.checkpoints_ok
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary."""
@@ -98,15 +171,35 @@ class EngineDemoReport:
                           "acceptance": r.acceptance, "kv": r.kv.model_dump(),
                           "planner_state_bytes_per_request": self.planner_bytes[m],
                           "decision": r.decision} for m, r in self.modes.items()},
+            "checkpoints": None if self.checkpoints is None else
+            {m: c.to_dict() for m, c in self.checkpoints.items()},
         }
 
 
 Progress = Callable[[str], None]
 
 
+def checkpoint_config(backend: str, path: Path | None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of the request-boundary checkpoint connector."""
+    extra: dict[str, Any] = {"request_boundary_checkpoints": True, "backend": backend}
+    if path is not None:
+        extra["path"] = str(path)
+    return {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def _wave_of(report: EngineReport, prompts: list[list[int]]) -> WaveReport:
+    """A one-wave run as a wave report (its connector hits are its cached tokens)."""
+    cached = sum(report.num_cached_tokens)
+    return WaveReport(prompts=prompts, outputs=report.outputs,
+                      num_cached_tokens=report.num_cached_tokens, seconds=report.seconds,
+                      prompt_tokens=sum(len(p) for p in prompts), local_hits=0,
+                      external_hits=cached, cached_by_source={})
+
+
 def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None,
                     workdir: Path | None = None) -> EngineDemoReport:
-    """Run the three engines (see the module docstring) and compare the two modes."""
+    """Run the engines (see the module docstring) and compare the two modes."""
     say = progress or (lambda _msg: None)
     start = time.monotonic()
     rng = random.Random(options.seed)
@@ -114,34 +207,74 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
     vocab = int(config["vocab_size"])
     lengths = [rng.randrange(3, 97) for _ in range(options.num_requests)]
     prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+    follow_ups: list[list[list[int] | FollowUp]] = []
+    if options.checkpoint is not None:
+        follow_ups = [[FollowUp(after=(0, i), extra=[rng.randrange(1, vocab) for _ in
+                                                     range(options.follow_up_tokens)])
+                       for i in range(options.num_requests)]]
     engine = dict(enable_chunked_prefill=True, max_num_batched_tokens=32,
                   max_num_seqs=options.max_num_seqs,
                   kv_cache_memory_bytes=options.kv_cache_bytes)
+    checkpoints: dict[str, WaveTwo] | None = None
     with tempfile.TemporaryDirectory(prefix="recoverssm-demo-") as tmp:
         root = Path(tmp) if workdir is None else workdir
         model = str(write_tiny_glm53(root / "tiny-glm53"))
 
-        def spec(mode: RecoveryFlag, oracle: str | None) -> EngineRun:
+        def spec(mode: RecoveryFlag, oracle: str | None, **more: Any) -> EngineRun:
+            fields: dict[str, Any] = dict(prompts=prompts, waves=follow_ups)
+            fields.update(more)
             return EngineRun(model=model, mode=mode, num_spec=options.num_spec,
-                             oracle=oracle, prompts=prompts,
-                             max_tokens=options.max_new_tokens, engine=engine)
+                             oracle=oracle, max_tokens=options.max_new_tokens, engine=engine,
+                             **fields)
 
         say("greedy continuations (full states, every draft wrong)")
         cold = run_in_subprocess(spec("off", None), root / "runs")
         q = corruption_for(options.acceptance, options.num_spec)
-        oracle = write_oracle(root / "oracle.json",
-                              [(p + c, q) for p, c in zip(prompts, cold.outputs, strict=True)])
+        asked = [(p, o) for w in cold.waves for p, o in zip(w.prompts, w.outputs, strict=True)]
+        if not asked:
+            asked = list(zip(prompts, cold.outputs, strict=True))
+        oracle = str(write_oracle(root / "oracle.json", [(p + c, q) for p, c in asked]))
         modes: dict[str, EngineReport] = {}
         for name, mode in MODES.items():
             say(f"{TITLES[name]} (recoverssm={mode})")
-            modes[name] = run_in_subprocess(spec(mode, str(oracle)), root / "runs")
+            modes[name] = run_in_subprocess(spec(mode, oracle), root / "runs")
+        if options.checkpoint is not None:
+            store = (Path(options.checkpoint_dir) if options.checkpoint_dir is not None
+                     else root / "checkpoints")
+            checkpoints = {name: _restored_wave(options.checkpoint, store, name, modes[name],
+                                                oracle, spec, say, root / "runs")
+                           for name in MODES}
     p = plan(PlanConfig(model=model_spec_from_hf_config(config), tp=1,
                         num_spec=options.num_spec, max_num_seqs=options.max_num_seqs))
     planner = {"recovery": p.layout("recovery_scratch").reserve_bytes_per_request,
                "full_state": p.layout("full").reserve_bytes_per_request}
     return EngineDemoReport(options=options, prompt_lengths=lengths, corruption=q,
                             modes=modes, planner_bytes=planner,
-                            wall_seconds=time.monotonic() - start)
+                            wall_seconds=time.monotonic() - start, checkpoints=checkpoints)
+
+
+def _restored_wave(backend: str, store: Path, name: str, cold: EngineReport, oracle: str,
+                   spec: Callable[..., EngineRun], say: Progress, runs: Path) -> WaveTwo:
+    """One mode's engine(s) with the connector; wave 2 against the same mode's cold one."""
+    mode = MODES[name]
+    if backend == "ram":
+        say(f"{TITLES[name]} with RAM checkpoints, both waves in one engine")
+        kv = checkpoint_config("ram", None)
+        both = run_in_subprocess(spec(mode, oracle, kv_transfer_config=kv), runs)
+        return WaveTwo(backend, cold.waves[1], both.waves[1], both.connector or {},
+                       bool(both.checkpoints_flushed))
+    kv = checkpoint_config("disk", store)
+    say(f"{TITLES[name]} with disk checkpoints, wave 1 (exports)")
+    first = run_in_subprocess(spec(mode, oracle, waves=[], kv_transfer_config=kv),
+                              runs)
+    second_prompts = cold.waves[1].prompts
+    say(f"{TITLES[name]} with disk checkpoints, wave 2 in a fresh engine process (restores)")
+    second = run_in_subprocess(spec(mode, oracle, prompts=second_prompts, waves=[],
+                                    kv_transfer_config=kv), runs)
+    stats = dict(second.connector or {})
+    stats["exported_by_first_engine"] = (first.connector or {}).get("exported", {})
+    return WaveTwo(backend, cold.waves[1], _wave_of(second, second_prompts), stats,
+                   bool(first.checkpoints_flushed) and bool(second.checkpoints_flushed))
 
 
 def _mib(n: float) -> str:
@@ -183,6 +316,51 @@ def format_engine_report(report: EngineDemoReport) -> str:
         f"outputs identical (recovery vs full-state): "
         f"{'yes' if report.outputs_identical else 'NO'} ({total} tokens)",
         f"decision logged: {rec.decision[0].splitlines()[0] if rec.decision else 'none'}",
-        f"wall time {report.wall_seconds:.1f} s (3 engine start-ups included)",
+        f"wall time {report.wall_seconds:.1f} s ({engine_count(o)} engine start-ups "
+        "included)",
     ]
+    if report.checkpoints:
+        lines += ["", *format_checkpoints(report)]
     return "\n".join(lines)
+
+
+def engine_count(options: EngineDemoOptions) -> int:
+    """Engine processes the demo starts."""
+    return 3 + {None: 0, "ram": 2, "disk": 4}[options.checkpoint]
+
+
+BACKENDS = {"ram": "LMCache LocalCPUBackend, both waves in one engine",
+            "disk": "LMCache fs backend, wave 2 in a fresh engine process"}
+
+
+def format_checkpoints(report: EngineDemoReport) -> list[str]:
+    """Wave 2 (follow-up turns) computed cold against restored, per mode."""
+    assert report.checkpoints is not None
+    o = report.options
+    backend = o.checkpoint or "ram"
+    lines = [
+        f"checkpoints: {backend} ({BACKENDS[backend]}); wave 2 = every request's follow-up "
+        f"turn (its prompt + its {o.max_new_tokens}-token answer + {o.follow_up_tokens} new "
+        "tokens)",
+        "",
+    ]
+    header = (f"{'mode':<11} {'prompt tok':>10} {'computed cold':>13} "
+              f"{'computed restored':>17} {'restored':>9} {'cold s':>7} {'restored s':>10} "
+              f"{'identical':>9}")
+    lines += [header, "-" * len(header)]
+    for name, c in report.checkpoints.items():
+        lines.append(
+            f"{TITLES[name]:<11} {c.cold.prompt_tokens:>10} {c.computed_cold:>13} "
+            f"{c.computed_restored:>17} {c.restored_tokens:>9} {c.cold.seconds:>7.2f} "
+            f"{c.restored.seconds:>10.2f} {'yes' if c.outputs_identical else 'NO':>9}")
+    missed = [f"{TITLES[n]} {c.restored.num_cached_tokens.count(0)}"
+              for n, c in report.checkpoints.items() if not c.every_request_restored]
+    unflushed = [TITLES[n] for n, c in report.checkpoints.items() if not c.flushed]
+    lines.append("")
+    lines.append("every follow-up restored its earlier turn: "
+                 + ("yes" if not missed else f"NO (not restored: {', '.join(missed)})"))
+    if unflushed:
+        lines.append(f"exports still unwritten when an engine stopped: {', '.join(unflushed)}")
+    lines.append("times are wave 2's generate() alone (prefill and "
+                 f"{o.max_new_tokens} decoded tokens per request), engine start-up excluded")
+    return lines

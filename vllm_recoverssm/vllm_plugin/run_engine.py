@@ -11,7 +11,9 @@ A spec may add ``waves``: further ``generate`` calls in the same engine after th
 whose prompts may extend an earlier request (:class:`FollowUp`: its prompt, its answer,
 new tokens), and a ``kv_transfer_config``; each wave then reports its own outputs,
 ``num_cached_tokens``, time and vLLM's cache-hit counters, and the report carries the
-request-boundary checkpoint connector's counters.
+request-boundary checkpoint connector's counters, taken after the exports the last wave
+still owed were written (:func:`.distributed.kv_connector.flush.flush_checkpoints`), so a
+later engine process finds every bundle on disk.
 
 One engine per process: vLLM's CPU platform registers its kernel overrides once per
 process, and a second ``LLM`` in the same process fails there. ``recoverssm demo --engine
@@ -118,6 +120,8 @@ class EngineReport(BaseModel):
     """Every ``generate`` call, the first included (runs with ``waves`` only)."""
     connector: dict[str, Any] | None = None
     """The request-boundary checkpoint connector's worker counters, when one is set."""
+    checkpoints_flushed: bool | None = None
+    """With a connector: every export the last wave owed was written before the report."""
 
     @property
     def acceptance(self) -> float:
@@ -285,7 +289,11 @@ def run(run: EngineRun) -> EngineReport:
             waves.append(_wave_report(prompts, wave_outs, took, before, metrics))
             done.append((prompts, waves[-1].outputs))
     connector = None
+    flushed = None
     if run.kv_transfer_config is not None:
+        from .distributed.kv_connector.flush import flush_checkpoints
+
+        flushed = flush_checkpoints(llm)
         connector = compat.kv_connector_worker_stats()
     return EngineReport(
         vllm_version=compat.vllm_version(), mode=run.mode,
@@ -298,6 +306,7 @@ def run(run: EngineRun) -> EngineReport:
         preemptions=_metric(metrics, "vllm:num_preemptions"),
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), seconds=seconds,
         kv=KVReport(**compat.kv_allocation(llm)), waves=waves, connector=connector,
+        checkpoints_flushed=flushed,
     )
 
 

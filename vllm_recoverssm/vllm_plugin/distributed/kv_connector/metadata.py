@@ -59,6 +59,9 @@ class Load:
     block_ids: BlockIds
     local_tokens: int
     valid: bool = True
+    exact_prompt: bool = False
+    """The bundle holds this request's whole prompt but its last token (the stored logits
+    then sample the same first token as the engine will)."""
 
 
 _Base: Any = compat.KVConnectorMetadata

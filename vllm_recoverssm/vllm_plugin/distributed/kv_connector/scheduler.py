@@ -236,8 +236,9 @@ class SchedulerSide:
                            "%d, not the offered bundle; computing it instead", req_id,
                            num_external, local)
         tokens = tuple(int(t) for t in request.all_token_ids[: key.num_tokens])
+        exact = key.num_tokens == int(request.num_prompt_tokens) - 1
         self._loads.append(Load(req_id, key, tokens, _block_ids(blocks.get_block_ids()),
-                                local, valid))
+                                local, valid, exact))
         self._loading[req_id] = key
 
     # -- captures and exports ---------------------------------------------------------------

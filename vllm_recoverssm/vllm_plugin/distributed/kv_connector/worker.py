@@ -242,7 +242,10 @@ class WorkerSide:
             return
         self.stats.restored += 1
         self.stats.restored_tokens += load.key.num_tokens - load.local_tokens
-        if checkpoint.meta.get("kind") == "prompt" and checkpoint.logits.numel():
+        # Only an exact prompt's stored logits are the engine's next ones: a longer prompt
+        # computes past the bundle before it samples.
+        if (load.exact_prompt and checkpoint.meta.get("kind") == "prompt"
+                and checkpoint.logits.numel()):
             self._expect_logits[load.req_id] = checkpoint.logits
 
     # -- sampling hooks (runner V1) -------------------------------------------------------------
