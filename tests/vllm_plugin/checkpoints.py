@@ -13,14 +13,12 @@ Scenario (16-token interval checkpoints, 32-token chunks, 8 generated tokens):
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from vllm_recoverssm.vllm_plugin.run_engine import FollowUp
 
@@ -35,7 +33,6 @@ FOLLOW_UP_EXTRA = [3, 4, 5, 6, 7]
 WAVE1_RESTORED = [64, 48, 40 + MAX_TOKENS - 1, 11]
 """Tokens each wave-1 prompt restores (A exact, A's new tail, B's follow-up, C exact)."""
 
-T = TypeVar("T")
 
 
 def prompts(seed: int = 7) -> dict[str, list[int]]:
@@ -96,15 +93,3 @@ def damage_bundle(path: Path, num_tokens: int) -> list[Path]:
         data[len(data) // 2] ^= 0xFF  # past the fs backend's header, inside the payload
         part.write_bytes(bytes(data))
     return parts
-
-
-def side_by_side(jobs: Sequence[Callable[[dict[str, str]], T]]) -> list[T]:
-    """Run ``jobs`` at once, each told the core its engine's OpenMP binds to, when this
-    machine gives us a core per job; one after the other otherwise."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < len(jobs):
-        return [job({}) for job in jobs]
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        futures = [pool.submit(job, {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i])})
-                   for i, job in enumerate(jobs)]
-        return [f.result() for f in futures]

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_recoverssm.vllm_plugin.run_engine import EngineReport, EngineRun, run_in_subprocess
 from vllm_recoverssm.vllm_plugin.spec_decode.oracle import write_oracle
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_LENGTHS = (5, 90, 17, 41, 3, 64)
@@ -37,9 +41,22 @@ def environment() -> dict[str, str]:
     return env
 
 
-def run_engine(spec: EngineRun, workdir: Path) -> EngineReport:
-    """One engine, in a fresh process."""
-    return run_in_subprocess(spec, workdir, env=environment())
+def run_engine(spec: EngineRun, workdir: Path, env: dict[str, str] | None = None
+               ) -> EngineReport:
+    """One engine, in a fresh process (``env``: more environment for it)."""
+    return run_in_subprocess(spec, workdir, env={**environment(), **(env or {})})
+
+
+def side_by_side(jobs: Sequence[Callable[[dict[str, str]], T]]) -> list[T]:
+    """Run ``jobs`` at once, each told the core its engine's OpenMP binds to, when this
+    machine gives us a core per job; one after the other otherwise."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < len(jobs):
+        return [job({}) for job in jobs]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [pool.submit(job, {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i])})
+                   for i, job in enumerate(jobs)]
+        return [f.result() for f in futures]
 
 
 @dataclass
@@ -51,9 +68,13 @@ class Pair:
 
 
 def run_pair(workdir: Path, **spec: Any) -> Pair:
-    """Run ``EngineRun(**spec)`` with ``mode`` on and off."""
-    return Pair(on=run_engine(EngineRun(mode="on", **spec), workdir),
-                off=run_engine(EngineRun(mode="off", **spec), workdir))
+    """Run ``EngineRun(**spec)`` with ``mode`` on and off, side by side where there is a
+    core for each."""
+    on, off = side_by_side([
+        lambda env: run_engine(EngineRun(mode="on", **spec), workdir, env),
+        lambda env: run_engine(EngineRun(mode="off", **spec), workdir, env),
+    ])
+    return Pair(on=on, off=off)
 
 
 def oracle_file(path: Path, prompt_list: list[list[int]], continuations: list[list[int]],

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -107,6 +108,10 @@ def vllm_serve(model: str, args: Sequence[str], log: Path,
     port = free_port()
     env = engine_environment({**environment(), **(env_overrides or {})})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vllm serve's own engine process
+    # vLLM keeps its Prometheus samples in files under this directory and /metrics sums
+    # every file there: inherited from a process that ran vLLM before (vLLM sets it in
+    # its own environment), it would mix other servers' counters into this one's.
+    env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="prometheus-", dir=log.parent)
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
                "--host", "127.0.0.1", "--port", str(port), *args]
     with log.open("wb") as out:
