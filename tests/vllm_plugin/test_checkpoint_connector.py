@@ -42,11 +42,10 @@ from .checkpoints import (
     damage_bundle,
     kv_config,
     prompts,
-    side_by_side,
     wait_for_index,
     waves,
 )
-from .engine import environment, oracle_file
+from .engine import environment, oracle_file, side_by_side
 from .serve import metric_value, vllm_serve
 
 pytestmark = pytest.mark.vllm
