@@ -59,7 +59,7 @@ test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests
 
 lint: venv
-	$(VENV)/bin/ruff check vllm_recoverssm tests benchmarks
+	$(VENV)/bin/ruff check vllm_recoverssm tests
 	$(VENV)/bin/mypy vllm_recoverssm
 
 clean:

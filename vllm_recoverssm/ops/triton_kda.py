@@ -18,7 +18,8 @@ from 0.849 to 0.64 ms at S=7 against one chunk).
 
 Commit uses a runtime token loop: rejected tokens then cost nothing (unrolling it with
 masked loads, so that all records are requested up front, on one K-chunk, measured 18-67%
-slower on an H200 at batch 256, S = 3 and 7, all or 2 tokens accepted). Every kernel rebuilds states with the update of
+slower on an H200 at batch 256, S = 3 and 7, all or 2 tokens accepted). Every kernel
+rebuilds states with the update of
 :func:`.triton_math.apply_record` and normalises keys in float64, so commit, the
 full-state verify and the fused verify agree bit for bit whatever their tiles
 (:mod:`.triton_math` says why); each kernel therefore takes its own tile.
