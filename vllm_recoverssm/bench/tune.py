@@ -69,7 +69,8 @@ def _bytes(op: str, shape: acc.OpShape, batch: int) -> int:
 
 
 def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: int,
-        out: Callable[[str], None], only: tuple[str, ...] = ()) -> dict[str, Any]:
+        out: Callable[[str], None], only: tuple[str, ...] = (),
+        match: str = "") -> dict[str, Any]:
     """Time every variant at every (S, batch); returns the rows and the roof."""
     dev = torch.device("cuda")
     timer = GraphTimer(dev, 256 * MIB, warmup=5, reps=reps)
@@ -83,6 +84,8 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
             step = wl.make_step(shape, B, 1, torch.bfloat16, dev, "auto", 0)
             for op, label, over in _variants():
                 if only and op not in only:
+                    continue
+                if match and match not in label:
                     continue
                 try:
                     with _override_all(over):
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--ops", default="", help="only these ops, e.g. verify,fused_all")
+    p.add_argument("--variants", default="", help="only variants whose label holds this")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tune: --num-spec and --batch take comma-separated integers", file=sys.stderr)
         return 2
     only = tuple(x for x in args.ops.split(",") if x)
-    result = run(specs, batches, args.heads, args.reps, lambda s: print(s, flush=True), only)
+    result = run(specs, batches, args.heads, args.reps, lambda s: print(s, flush=True), only,
+                 args.variants)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
