@@ -65,14 +65,15 @@ demo: venv
 	$(VENV)/bin/recoverssm demo
 
 # The test suite (CPU; Triton kernels run under the interpreter at tiny shapes): the tests
-# without vLLM on TEST_WORKERS processes, the vLLM-marked tests on vLLM 0.32 (the CPU
-# build), then again on vLLM 0.33. The vLLM tests run one pytest process: their engines
-# take a core each (two side by side where the machine has two cores).
+# without vLLM, the vLLM-marked tests on vLLM 0.32 (the CPU build), then again on vLLM 0.33;
+# each on TEST_WORKERS pytest-xdist processes. A vLLM test module stays on one worker
+# (its engines share module fixtures); each worker's engines bind to a core of their own.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: venv install-lmcache install-vllm install-b12x install-vllm033
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not gpu and not vllm" tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "vllm and not gpu" tests
-	TRITON_INTERPRET=1 $(VENV033)/bin/python -m pytest -q -m "vllm and not gpu" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "vllm and not gpu" tests
+	TRITON_INTERPRET=1 $(VENV033)/bin/python -m pytest -q $(XDIST) -m "vllm and not gpu" tests
 
 # GPU tests (run on a machine with a CUDA GPU, without the interpreter).
 test-gpu:

@@ -35,9 +35,14 @@ def prompts(seed: int = 0, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[li
 
 
 def environment() -> dict[str, str]:
-    """This checkout first on the engine process's path."""
+    """This checkout first on the engine process's path; under pytest-xdist, the engine's
+    OpenMP bound to a core of this worker's own (one each while there are enough cores)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
     return env
 
 
