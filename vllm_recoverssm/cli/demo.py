@@ -22,6 +22,7 @@ import pydantic
 import torch
 
 from vllm_recoverssm.cli.args import Directory, Float, Int, UsageError, flag_error
+from vllm_recoverssm.cli.text import MODE_TITLES, mib
 from vllm_recoverssm.reference.demo import (
     DRAFTERS,
     MODEL_PRESETS,
@@ -34,7 +35,6 @@ BAR_WIDTH = 30
 MAX_REQUESTS = 256
 MAX_NEW_TOKENS = 4096
 MAX_THREADS = 256
-MODE_TITLES = {"recovery": "recovery", "full_state": "full-state"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -122,10 +122,6 @@ class ProgressBar:
             self.stream.flush()
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.2f} MiB"
-
-
 def format_report(report: DemoReport) -> str:
     """The human-readable summary."""
     lines = [
@@ -153,8 +149,8 @@ def format_report(report: DemoReport) -> str:
         lines.append(
             f"{MODE_TITLES[mode]:<11} {m.tokens_per_second:>9.1f} {m.steps:>6} "
             f"{m.acceptance_rate:>9.1%}  {str(m.accept_histogram):<22} "
-            f"{_mib(m.state_bytes_per_request):>14} "
-            f"{_mib(m.planner_state_bytes_per_request):>14}"
+            f"{mib(m.state_bytes_per_request):>14} "
+            f"{mib(m.planner_state_bytes_per_request):>14}"
         )
     rec, full = report.modes.get("recovery"), report.modes.get("full_state")
     lines.append("")
@@ -220,7 +216,7 @@ def format_checkpoints(report: DemoReport) -> list[str]:
         "cold: wave 2 on a fresh runtime without a store; restored: on the runtime that "
         "exported wave 1 (lookups and restores included)",
         f"restored outputs equal the cold outputs: {'yes' if same else 'NO'}; "
-        f"{_mib(written)} of bundles written; capture + store + lookup time: {io}",
+        f"{mib(written)} of bundles written; capture + store + lookup time: {io}",
     ]
     rejected = sum(c.rejected for c in report.checkpoints.values())
     if rejected:
@@ -246,11 +242,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         raise flag_error("--engine", "vllm needs the vLLM package, which is not installed "
                          "here (make install-vllm installs its CPU build)")
-    from vllm_recoverssm.vllm_plugin.engine_demo import (
-        EngineDemoOptions,
-        format_engine_report,
-        run_engine_demo,
-    )
+    from vllm_recoverssm.cli.engine_table import format_engine_report
+    from vllm_recoverssm.vllm_plugin.engine_demo import EngineDemoOptions, run_engine_demo
 
     check_checkpoint_dir(args)
     fields: dict[str, object] = dict(num_spec=args.num_spec, acceptance=args.acceptance,

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from ..cli.text import MODE_TITLES
 from ..config.models import model_spec_from_hf_config
 from ..state.planner import PlanConfig, plan
 from .distributed.kv_connector.settings import CONNECTOR_NAME
@@ -37,7 +38,6 @@ from .tiny_model import tiny_glm53_config, write_tiny_glm53
 
 RecoveryFlag = Literal["on", "off"]
 MODES: dict[str, RecoveryFlag] = {"recovery": "on", "full_state": "off"}
-TITLES = {"recovery": "recovery", "full_state": "full-state"}
 
 
 class EngineDemoOptions(BaseModel):
@@ -236,7 +236,7 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
         oracle = str(write_oracle(root / "oracle.json", [(p + c, q) for p, c in asked]))
         modes: dict[str, EngineReport] = {}
         for name, mode in MODES.items():
-            say(f"{TITLES[name]} (recoverssm={mode})")
+            say(f"{MODE_TITLES[name]} (recoverssm={mode})")
             modes[name] = run_in_subprocess(spec(mode, oracle), root / "runs")
         if options.checkpoint is not None:
             store = (Path(options.checkpoint_dir) if options.checkpoint_dir is not None
@@ -258,17 +258,17 @@ def _restored_wave(backend: str, store: Path, name: str, cold: EngineReport, ora
     """One mode's engine(s) with the connector; wave 2 against the same mode's cold one."""
     mode = MODES[name]
     if backend == "ram":
-        say(f"{TITLES[name]} with RAM checkpoints, both waves in one engine")
+        say(f"{MODE_TITLES[name]} with RAM checkpoints, both waves in one engine")
         kv = checkpoint_config("ram", None)
         both = run_in_subprocess(spec(mode, oracle, kv_transfer_config=kv), runs)
         return WaveTwo(backend, cold.waves[1], both.waves[1], both.connector or {},
                        bool(both.checkpoints_flushed))
     kv = checkpoint_config("disk", store)
-    say(f"{TITLES[name]} with disk checkpoints, wave 1 (exports)")
+    say(f"{MODE_TITLES[name]} with disk checkpoints, wave 1 (exports)")
     first = run_in_subprocess(spec(mode, oracle, waves=[], kv_transfer_config=kv),
                               runs)
     second_prompts = cold.waves[1].prompts
-    say(f"{TITLES[name]} with disk checkpoints, wave 2 in a fresh engine process (restores)")
+    say(f"{MODE_TITLES[name]} with disk checkpoints, wave 2 in a fresh engine process (restores)")
     second = run_in_subprocess(spec(mode, oracle, prompts=second_prompts, waves=[],
                                     kv_transfer_config=kv), runs)
     stats = dict(second.connector or {})
@@ -277,90 +277,6 @@ def _restored_wave(backend: str, store: Path, name: str, cold: EngineReport, ora
                    bool(first.checkpoints_flushed) and bool(second.checkpoints_flushed))
 
 
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):.2f} MiB"
-
-
-def format_engine_report(report: EngineDemoReport) -> str:
-    """The human-readable table."""
-    o = report.options
-    rec, full = report.modes["recovery"], report.modes["full_state"]
-    lines = [
-        "recoverssm demo --engine vllm: the tiny GLM-5.3 (all-KDA, random weights) through "
-        f"vLLM {rec.vllm_version}'s LLM engine",
-        f"  batch    {o.num_requests} prompts of {min(report.prompt_lengths)}.."
-        f"{max(report.prompt_lengths)} tokens, {o.max_new_tokens} new tokens each, S = "
-        f"{o.num_spec}, {o.max_num_seqs} rows at a time, 32-token prompt chunks",
-        f"  drafter  oracle (greedy continuation, {report.corruption:.0%} of drafts corrupted)",
-        f"  cache    {o.kv_cache_bytes / (1 << 20):.0f} MiB of KV cache "
-        f"(--kv-cache-memory-bytes)",
-        "",
-    ]
-    header = (f"{'mode':<11} {'tokens/s':>9} {'accepted':>9} {'blocks':>7} "
-              f"{'blocks/req':>10} {'state/request':>14} {'planner':>12} {'max conc.':>10}")
-    lines += [header, "-" * len(header)]
-    for name, r in report.modes.items():
-        lines.append(
-            f"{TITLES[name]:<11} {r.tokens_per_s:>9.1f} {r.acceptance:>9.1%} "
-            f"{r.kv.num_blocks:>7} {r.kv.blocks_per_request:>10} "
-            f"{_mib(r.kv.state_bytes_per_request):>14} "
-            f"{_mib(report.planner_bytes[name]):>12} {r.kv.max_concurrency:>10.2f}")
-    ratio = full.kv.state_bytes_per_request / max(rec.kv.state_bytes_per_request, 1)
-    total = sum(len(x) for x in rec.outputs)
-    lines += [
-        "",
-        f"state per request (vLLM's allocation): recovery {rec.kv.state_bytes_per_request:,} B"
-        f" vs full state {full.kv.state_bytes_per_request:,} B ({ratio:.2f}x less), "
-        f"{'==' if report.bytes_match_planner else '!='} planner; recovery adds a record "
-        f"scratch of {rec.kv.scratch_bytes:,} B for {o.max_num_seqs} rows",
-        f"outputs identical (recovery vs full-state): "
-        f"{'yes' if report.outputs_identical else 'NO'} ({total} tokens)",
-        f"decision logged: {rec.decision[0].splitlines()[0] if rec.decision else 'none'}",
-        f"wall time {report.wall_seconds:.1f} s ({engine_count(o)} engine start-ups "
-        "included)",
-    ]
-    if report.checkpoints:
-        lines += ["", *format_checkpoints(report)]
-    return "\n".join(lines)
-
-
 def engine_count(options: EngineDemoOptions) -> int:
     """Engine processes the demo starts."""
     return 3 + {None: 0, "ram": 2, "disk": 4}[options.checkpoint]
-
-
-BACKENDS = {"ram": "LMCache LocalCPUBackend, both waves in one engine",
-            "disk": "LMCache fs backend, wave 2 in a fresh engine process"}
-
-
-def format_checkpoints(report: EngineDemoReport) -> list[str]:
-    """Wave 2 (follow-up turns) computed cold against restored, per mode."""
-    assert report.checkpoints is not None
-    o = report.options
-    backend = o.checkpoint or "ram"
-    lines = [
-        f"checkpoints: {backend} ({BACKENDS[backend]}); wave 2 = every request's follow-up "
-        f"turn (its prompt + its {o.max_new_tokens}-token answer + {o.follow_up_tokens} new "
-        "tokens)",
-        "",
-    ]
-    header = (f"{'mode':<11} {'prompt tok':>10} {'computed cold':>13} "
-              f"{'computed restored':>17} {'restored':>9} {'cold s':>7} {'restored s':>10} "
-              f"{'identical':>9}")
-    lines += [header, "-" * len(header)]
-    for name, c in report.checkpoints.items():
-        lines.append(
-            f"{TITLES[name]:<11} {c.cold.prompt_tokens:>10} {c.computed_cold:>13} "
-            f"{c.computed_restored:>17} {c.restored_tokens:>9} {c.cold.seconds:>7.2f} "
-            f"{c.restored.seconds:>10.2f} {'yes' if c.outputs_identical else 'NO':>9}")
-    missed = [f"{TITLES[n]} {c.restored.num_cached_tokens.count(0)}"
-              for n, c in report.checkpoints.items() if not c.every_request_restored]
-    unflushed = [TITLES[n] for n, c in report.checkpoints.items() if not c.flushed]
-    lines.append("")
-    lines.append("every follow-up restored its earlier turn: "
-                 + ("yes" if not missed else f"NO (not restored: {', '.join(missed)})"))
-    if unflushed:
-        lines.append(f"exports still unwritten when an engine stopped: {', '.join(unflushed)}")
-    lines.append("times are wave 2's generate() alone (prefill and "
-                 f"{o.max_new_tokens} decoded tokens per request), engine start-up excluded")
-    return lines

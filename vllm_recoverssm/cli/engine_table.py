@@ -1,0 +1,86 @@
+"""The table ``recoverssm demo --engine vllm`` prints from an :class:`EngineDemoReport`."""
+
+from __future__ import annotations
+
+from ..vllm_plugin.engine_demo import EngineDemoReport, engine_count
+from .text import MODE_TITLES, mib
+
+
+def format_engine_report(report: EngineDemoReport) -> str:
+    """The human-readable table."""
+    o = report.options
+    rec, full = report.modes["recovery"], report.modes["full_state"]
+    lines = [
+        "recoverssm demo --engine vllm: the tiny GLM-5.3 (all-KDA, random weights) through "
+        f"vLLM {rec.vllm_version}'s LLM engine",
+        f"  batch    {o.num_requests} prompts of {min(report.prompt_lengths)}.."
+        f"{max(report.prompt_lengths)} tokens, {o.max_new_tokens} new tokens each, S = "
+        f"{o.num_spec}, {o.max_num_seqs} rows at a time, 32-token prompt chunks",
+        f"  drafter  oracle (greedy continuation, {report.corruption:.0%} of drafts corrupted)",
+        f"  cache    {o.kv_cache_bytes / (1 << 20):.0f} MiB of KV cache "
+        f"(--kv-cache-memory-bytes)",
+        "",
+    ]
+    header = (f"{'mode':<11} {'tokens/s':>9} {'accepted':>9} {'blocks':>7} "
+              f"{'blocks/req':>10} {'state/request':>14} {'planner':>12} {'max conc.':>10}")
+    lines += [header, "-" * len(header)]
+    for name, r in report.modes.items():
+        lines.append(
+            f"{MODE_TITLES[name]:<11} {r.tokens_per_s:>9.1f} {r.acceptance:>9.1%} "
+            f"{r.kv.num_blocks:>7} {r.kv.blocks_per_request:>10} "
+            f"{mib(r.kv.state_bytes_per_request):>14} "
+            f"{mib(report.planner_bytes[name]):>12} {r.kv.max_concurrency:>10.2f}")
+    ratio = full.kv.state_bytes_per_request / max(rec.kv.state_bytes_per_request, 1)
+    total = sum(len(x) for x in rec.outputs)
+    lines += [
+        "",
+        f"state per request (vLLM's allocation): recovery {rec.kv.state_bytes_per_request:,} B"
+        f" vs full state {full.kv.state_bytes_per_request:,} B ({ratio:.2f}x less), "
+        f"{'==' if report.bytes_match_planner else '!='} planner; recovery adds a record "
+        f"scratch of {rec.kv.scratch_bytes:,} B for {o.max_num_seqs} rows",
+        f"outputs identical (recovery vs full-state): "
+        f"{'yes' if report.outputs_identical else 'NO'} ({total} tokens)",
+        f"decision logged: {rec.decision[0].splitlines()[0] if rec.decision else 'none'}",
+        f"wall time {report.wall_seconds:.1f} s ({engine_count(o)} engine start-ups "
+        "included)",
+    ]
+    if report.checkpoints:
+        lines += ["", *format_checkpoints(report)]
+    return "\n".join(lines)
+
+
+BACKENDS = {"ram": "LMCache LocalCPUBackend, both waves in one engine",
+            "disk": "LMCache fs backend, wave 2 in a fresh engine process"}
+
+
+def format_checkpoints(report: EngineDemoReport) -> list[str]:
+    """Wave 2 (follow-up turns) computed cold against restored, per mode."""
+    assert report.checkpoints is not None
+    o = report.options
+    backend = o.checkpoint or "ram"
+    lines = [
+        f"checkpoints: {backend} ({BACKENDS[backend]}); wave 2 = every request's follow-up "
+        f"turn (its prompt + its {o.max_new_tokens}-token answer + {o.follow_up_tokens} new "
+        "tokens)",
+        "",
+    ]
+    header = (f"{'mode':<11} {'prompt tok':>10} {'computed cold':>13} "
+              f"{'computed restored':>17} {'restored':>9} {'cold s':>7} {'restored s':>10} "
+              f"{'identical':>9}")
+    lines += [header, "-" * len(header)]
+    for name, c in report.checkpoints.items():
+        lines.append(
+            f"{MODE_TITLES[name]:<11} {c.cold.prompt_tokens:>10} {c.computed_cold:>13} "
+            f"{c.computed_restored:>17} {c.restored_tokens:>9} {c.cold.seconds:>7.2f} "
+            f"{c.restored.seconds:>10.2f} {'yes' if c.outputs_identical else 'NO':>9}")
+    missed = [f"{MODE_TITLES[n]} {c.restored.num_cached_tokens.count(0)}"
+              for n, c in report.checkpoints.items() if not c.every_request_restored]
+    unflushed = [MODE_TITLES[n] for n, c in report.checkpoints.items() if not c.flushed]
+    lines.append("")
+    lines.append("every follow-up restored its earlier turn: "
+                 + ("yes" if not missed else f"NO (not restored: {', '.join(missed)})"))
+    if unflushed:
+        lines.append(f"exports still unwritten when an engine stopped: {', '.join(unflushed)}")
+    lines.append("times are wave 2's generate() alone (prefill and "
+                 f"{o.max_new_tokens} decoded tokens per request), engine start-up excluded")
+    return lines
