@@ -328,6 +328,17 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   load8<T>(k + poff, kx, plive);
   load8<T>(q + poff, qx, plive);
   load8<T>(g + poff, gx, plive);
+  // beta and (fused) the previous records before the kg store below: the compiler cannot
+  // move a load above a store that might alias it, and issued after it their latency
+  // would stall the prologue's first barrier
+  const float braw =
+      tid < kTP && tid < ntok ? to_f<T>(beta[(long long)(start + tid) * H + h]) : 0.0f;
+  float pk[8], pg[8];
+  if (MODE == kFused) {
+    const T* row = static_cast<const T*>(p.pkg) + prow * p.pkg_row + ((long long)h * W + pt) * 2 * kD + pc;
+    load8<T>(row, pk, pt < plen);
+    load8<T>(row + kD, pg, pt < plen);
+  }
   if (MODE != kFull && has_rec && blockIdx.x == 0 && plive) {
     T* row = static_cast<T*>(p.kg) + rrow * p.kg_row + ((long long)h * W + pt) * 2 * kD + pc;
     store8<T>(row, kx);
@@ -364,11 +375,7 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   }
   if (MODE == kFused) {
     // the previous step's record pt: its key norm and decay (bit for bit as commit)
-    float pk[8], pg[8];
     const bool live = pt < plen;
-    const T* row = static_cast<const T*>(p.pkg) + prow * p.pkg_row + ((long long)h * W + pt) * 2 * kD + pc;
-    load8<T>(row, pk, live);
-    load8<T>(row + kD, pg, live);
     double ss = 0.0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += (double)pk[i] * (double)pk[i];
@@ -384,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   }
   if (tid < kTP) {
     const int t = tid;
-    sB[t] = t < ntok ? 1.0f / (1.0f + __expf(-to_f<T>(beta[(long long)(start + t) * H + h]))) : 0.0f;
+    sB[t] = t < ntok ? 1.0f / (1.0f + __expf(-braw)) : 0.0f;
   }
   __syncthreads();
   {
