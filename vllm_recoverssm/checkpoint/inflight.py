@@ -7,16 +7,33 @@ collected under its own feet. A writer that dies releases its lock with its desc
 marker is then stale and is removed with the write's other leftovers once the grace period
 has passed. Where ``flock`` is not honoured (some network file systems), the grace period is
 what protects a write.
+
+Publishing a manifest (check what stands, write ours, read it back) runs under an exclusive
+``flock`` on the directory itself (:func:`publish_lock`), so writers in other processes
+publish one after another: the second finds the first's bundle and drops its own parts. The
+lock leaves no file behind. Without it, a writer that checked before another's manifest
+appeared could replace that manifest after its writer had confirmed it. Nothing
+acknowledged is lost that way, since the replacement stands for the same prefix, but the
+confirmed bundle's parts become orphans that only the collector removes.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .files import FILE_MODE, WRITE_FLAGS, open_regular
 from .names import marker_name
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.001
 
 
 class WriteMarker:
@@ -65,3 +82,39 @@ def write_in_flight(directory: Path, bundle_id: str) -> bool:
             return False  # no lock support here: the grace period decides
         fcntl.flock(f.fd, fcntl.LOCK_UN)
         return False
+
+
+@contextmanager
+def publish_lock(directory: Path, timeout_s: float) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``directory`` for one publish; yields whether it is held.
+
+    Waits at most ``timeout_s`` for a writer in another process. Where the lock cannot be
+    had (no ``flock`` support, or the wait ran out), the publish goes ahead unlocked: its
+    read-back still decides, and an orphan it may leave is the collector's.
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except OSError as exc:
+        logger.debug("publish lock: cannot open %s: %s", directory, exc)
+        yield False
+        return
+    try:
+        held = False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    logger.debug("publish lock unsupported on %s: %s", directory, exc)
+                    break
+                if time.monotonic() > deadline:
+                    logger.info("publish lock on %s not had within %s s; publishing unlocked",
+                                directory, timeout_s)
+                    break
+                time.sleep(_POLL_S)
+        yield held
+    finally:
+        os.close(fd)  # drops the lock with the descriptor

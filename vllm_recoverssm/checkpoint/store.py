@@ -6,7 +6,9 @@ parts are stored. If any part fails, the parts already written are removed and n
 published. After publishing, the writer reads the manifest back: a store that reports
 ``stored=True`` has seen its own manifest in place and every one of its parts present. When
 another writer (another replica on a shared disk) published the same prefix in between, its
-bundle stands, this writer removes its own parts and reports ``exists``.
+bundle stands, this writer removes its own parts and reports ``exists``. On disk, writers
+publish one at a time under a lock on the directory (:func:`.inflight.publish_lock`), so a
+confirmed bundle is not replaced by a racing writer of the same prefix.
 
 Reading checks the manifest, every chunk's size and checksum and the token prefix before any
 tensor is handed out: a bundle is restored whole or not at all, and a corrupt, incomplete,
@@ -37,7 +39,7 @@ from .config import CheckpointConfig
 from .errors import BundleFormatError, CheckpointConfigError
 from .gc import GcReport, collect_garbage
 from .identity import LayoutIdentity, check_tokens, prefix_digest, prefix_digests
-from .inflight import WriteMarker
+from .inflight import WriteMarker, publish_lock
 from .integrity import load_key
 from .lmcache_objects import LMCacheObjects, ObjectKey
 from .wire import (
@@ -216,7 +218,11 @@ class CheckpointStore:
                 for key, chunk in zip(keys, chunks, strict=True):
                     written.append(key)
                     self._objects.put(key, chunk, hold=True)
-                outcome = self._publish(mkey, head, manifest, keys)
+                if directory is None:
+                    outcome = self._publish(mkey, head, manifest, keys)
+                else:
+                    with publish_lock(directory, self.config.timeout_s):
+                        outcome = self._publish(mkey, head, manifest, keys)
             except BaseException as exc:
                 for key in written:
                     self._objects.remove(key)
