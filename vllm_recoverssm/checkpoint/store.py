@@ -218,11 +218,7 @@ class CheckpointStore:
                 for key, chunk in zip(keys, chunks, strict=True):
                     written.append(key)
                     self._objects.put(key, chunk, hold=True)
-                if directory is None:
-                    outcome = self._publish(mkey, head, manifest, keys)
-                else:
-                    with publish_lock(directory, self.config.timeout_s):
-                        outcome = self._publish(mkey, head, manifest, keys)
+                outcome = self._publish(mkey, head, manifest, keys)
             except BaseException as exc:
                 for key in written:
                     self._objects.remove(key)
@@ -257,7 +253,17 @@ class CheckpointStore:
         self, mkey: ObjectKey, head: bytes, manifest: Manifest, keys: list[ObjectKey]
     ) -> Literal["stored", "lost"]:
         """Write the manifest and read it back: ``stored`` (ours is in place with all its
-        parts) or ``lost`` (another complete bundle that fits took the name meanwhile)."""
+        parts) or ``lost`` (another complete bundle that fits took the name meanwhile).
+        On disk this runs under the directory's publish lock (other processes wait)."""
+        directory = self._objects.directory
+        if directory is None:  # RAM: one process, and ``self._lock`` is held
+            return self._publish_unlocked(mkey, head, manifest, keys)
+        with publish_lock(directory, self.config.timeout_s):
+            return self._publish_unlocked(mkey, head, manifest, keys)
+
+    def _publish_unlocked(
+        self, mkey: ObjectKey, head: bytes, manifest: Manifest, keys: list[ObjectKey]
+    ) -> Literal["stored", "lost"]:
         data = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         layout = manifest.tensor_layout()
         for _ in range(PUBLISH_ATTEMPTS):
