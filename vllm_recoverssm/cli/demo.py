@@ -22,7 +22,7 @@ import pydantic
 import torch
 
 from vllm_recoverssm.cli.args import Directory, Float, Int, UsageError, flag_error
-from vllm_recoverssm.cli.text import MODE_TITLES, mib
+from vllm_recoverssm.cli.text import MODE_TITLES, mib, table
 from vllm_recoverssm.reference.demo import (
     DRAFTERS,
     MODEL_PRESETS,
@@ -142,16 +142,14 @@ def format_report(report: DemoReport) -> str:
     if report.commit:
         lines.append(f"  commit   {report.commit}")
     lines.append("")
-    header = (f"{'mode':<11} {'tokens/s':>9} {'steps':>6} {'accepted':>9}  "
-              f"{'accept lengths 0..S':<22} {'state/request':>14} {'planner':>14}")
-    lines += [header, "-" * len(header)]
-    for mode, m in report.modes.items():
-        lines.append(
-            f"{MODE_TITLES[mode]:<11} {m.tokens_per_second:>9.1f} {m.steps:>6} "
-            f"{m.acceptance_rate:>9.1%}  {str(m.accept_histogram):<22} "
-            f"{mib(m.state_bytes_per_request):>14} "
-            f"{mib(m.planner_state_bytes_per_request):>14}"
-        )
+    lines += table(
+        [("mode", "<11"), ("tokens/s", ">9.1f"), ("steps", ">6"), ("accepted", ">9.1%"),
+         ("", ""), ("accept lengths 0..S", "<22"), ("state/request", ">14"),
+         ("planner", ">14")],
+        [(MODE_TITLES[mode], m.tokens_per_second, m.steps, m.acceptance_rate, "",
+          str(m.accept_histogram), mib(m.state_bytes_per_request),
+          mib(m.planner_state_bytes_per_request))
+         for mode, m in report.modes.items()])
     rec, full = report.modes.get("recovery"), report.modes.get("full_state")
     lines.append("")
     if rec is not None and full is not None and rec.state_bytes_per_request:
@@ -195,18 +193,15 @@ def format_checkpoints(report: DemoReport) -> list[str]:
         f"{first.follow_ups} follow-up turns (prompt + answer + new text) and {first.repeats} "
         "repeated prompts",
     ]
-    header = (f"{'mode':<11} {'exported':>8} {'hits':>6} {'exact':>5} {'restored tok':>12} "
-              f"{'prompt tok computed':>19} {'steps':>8} {'cold s':>7} {'restored s':>10} "
-              f"{'saved':>6}")
-    lines += [header, "-" * len(header)]
-    for mode, c in report.checkpoints.items():
-        computed = f"{c.computed_cold} -> {c.computed_restored}"
-        steps = f"{c.steps_cold} -> {c.steps_restored}"
-        lines.append(
-            f"{MODE_TITLES[mode]:<11} {c.exported:>8} {f'{c.hits}/{c.requests}':>6} "
-            f"{c.exact_hits:>5} {c.restored_tokens:>12} {computed:>19} {steps:>8} "
-            f"{c.cold_seconds:>7.2f} {c.restored_seconds:>10.2f} {c.saved_fraction:>6.0%}"
-        )
+    lines += table(
+        [("mode", "<11"), ("exported", ">8"), ("hits", ">6"), ("exact", ">5"),
+         ("restored tok", ">12"), ("prompt tok computed", ">19"), ("steps", ">8"),
+         ("cold s", ">7.2f"), ("restored s", ">10.2f"), ("saved", ">6.0%")],
+        [(MODE_TITLES[mode], c.exported, f"{c.hits}/{c.requests}", c.exact_hits,
+          c.restored_tokens, f"{c.computed_cold} -> {c.computed_restored}",
+          f"{c.steps_cold} -> {c.steps_restored}", c.cold_seconds, c.restored_seconds,
+          c.saved_fraction)
+         for mode, c in report.checkpoints.items()])
     same = all(c.outputs_identical for c in report.checkpoints.values())
     io = ", ".join(f"{MODE_TITLES[k]} {c.checkpoint_seconds:.2f} s" for k, c in
                    report.checkpoints.items())

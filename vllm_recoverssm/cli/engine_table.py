@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..vllm_plugin.engine_demo import EngineDemoReport, engine_count
-from .text import MODE_TITLES, mib
+from .text import MODE_TITLES, mib, table
 
 
 def format_engine_report(report: EngineDemoReport) -> str:
@@ -21,15 +21,14 @@ def format_engine_report(report: EngineDemoReport) -> str:
         f"(--kv-cache-memory-bytes)",
         "",
     ]
-    header = (f"{'mode':<11} {'tokens/s':>9} {'accepted':>9} {'blocks':>7} "
-              f"{'blocks/req':>10} {'state/request':>14} {'planner':>12} {'max conc.':>10}")
-    lines += [header, "-" * len(header)]
-    for name, r in report.modes.items():
-        lines.append(
-            f"{MODE_TITLES[name]:<11} {r.tokens_per_s:>9.1f} {r.acceptance:>9.1%} "
-            f"{r.kv.num_blocks:>7} {r.kv.blocks_per_request:>10} "
-            f"{mib(r.kv.state_bytes_per_request):>14} "
-            f"{mib(report.planner_bytes[name]):>12} {r.kv.max_concurrency:>10.2f}")
+    lines += table(
+        [("mode", "<11"), ("tokens/s", ">9.1f"), ("accepted", ">9.1%"), ("blocks", ">7"),
+         ("blocks/req", ">10"), ("state/request", ">14"), ("planner", ">12"),
+         ("max conc.", ">10.2f")],
+        [(MODE_TITLES[name], r.tokens_per_s, r.acceptance, r.kv.num_blocks,
+          r.kv.blocks_per_request, mib(r.kv.state_bytes_per_request),
+          mib(report.planner_bytes[name]), r.kv.max_concurrency)
+         for name, r in report.modes.items()])
     ratio = full.kv.state_bytes_per_request / max(rec.kv.state_bytes_per_request, 1)
     total = sum(len(x) for x in rec.outputs)
     lines += [
@@ -64,15 +63,14 @@ def format_checkpoints(report: EngineDemoReport) -> list[str]:
         "tokens)",
         "",
     ]
-    header = (f"{'mode':<11} {'prompt tok':>10} {'computed cold':>13} "
-              f"{'computed restored':>17} {'restored':>9} {'cold s':>7} {'restored s':>10} "
-              f"{'identical':>9}")
-    lines += [header, "-" * len(header)]
-    for name, c in report.checkpoints.items():
-        lines.append(
-            f"{MODE_TITLES[name]:<11} {c.cold.prompt_tokens:>10} {c.computed_cold:>13} "
-            f"{c.computed_restored:>17} {c.restored_tokens:>9} {c.cold.seconds:>7.2f} "
-            f"{c.restored.seconds:>10.2f} {'yes' if c.outputs_identical else 'NO':>9}")
+    lines += table(
+        [("mode", "<11"), ("prompt tok", ">10"), ("computed cold", ">13"),
+         ("computed restored", ">17"), ("restored", ">9"), ("cold s", ">7.2f"),
+         ("restored s", ">10.2f"), ("identical", ">9")],
+        [(MODE_TITLES[name], c.cold.prompt_tokens, c.computed_cold, c.computed_restored,
+          c.restored_tokens, c.cold.seconds, c.restored.seconds,
+          "yes" if c.outputs_identical else "NO")
+         for name, c in report.checkpoints.items()])
     missed = [f"{MODE_TITLES[n]} {c.restored.num_cached_tokens.count(0)}"
               for n, c in report.checkpoints.items() if not c.every_request_restored]
     unflushed = [MODE_TITLES[n] for n, c in report.checkpoints.items() if not c.flushed]
