@@ -5,16 +5,22 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
 from vllm_recoverssm.config import IneligibleError, RecoveryMode
 from vllm_recoverssm.vllm_plugin import CONFIG_KEY, register
+from vllm_recoverssm.vllm_plugin import config as plugin_config
 from vllm_recoverssm.vllm_plugin.config import (
+    commit_summary,
     decide_for_vllm_config,
     deployment_from_vllm_config,
+    fused_commit_blockers,
+    fused_commit_enabled,
     kv_connector_kind,
     recovery_enabled,
+    requested_commit,
 )
 
 from .conftest import MTP3, on_gpu, with_prefix_caching
@@ -135,7 +141,14 @@ def test_forced_recovery_on_an_ineligible_deployment_fails_at_startup(
         assert phrase in text
 
 
-def test_forced_recovery_refuses_pd_and_generic_connectors(build_config: Any) -> None:
+def test_forced_recovery_refuses_pd_and_generic_connectors(
+    build_config: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a NIXL connector and no layout in os.environ, vLLM's CPU platform writes
+    # VLLM_SSM_CONV_STATE_LAYOUT=DS there for the rest of the process, and layers built
+    # later in it store their conv state dim-first. On a CPU with AVX512-BF16 any earlier
+    # config already wrote SD, so the leak hits only some machines. Keep the default set.
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "SD")
     pd = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
     with pytest.raises(IneligibleError) as info:
         build_config(*MTP3, "--use-replayssm", "--kv-transfer-config", pd)
@@ -190,3 +203,49 @@ def test_other_architectures_are_left_to_vllm(build_config: Any, tiny_qwen: Path
     # forcing the plugin's recovery on it is refused, naming the architecture
     with pytest.raises(IneligibleError, match="GLM-5.3 .* only, not Qwen3NextForCausalLM"):
         build_config(*MTP3, "--additional-config", '{"recoverssm": "on"}', model=tiny_qwen)
+
+
+FUSED = ("--additional-config", '{"recoverssm": "on", "recoverssm_commit": "fused"}')
+
+
+def test_fused_commit_applies_under_runner_v1_without_a_cache_or_connector(
+    build_config: Any,
+) -> None:
+    cfg = build_config(*MTP3, *FUSED)
+    assert requested_commit(cfg) == "fused"
+    with on_gpu(v2_runner=False):
+        assert fused_commit_blockers(cfg) == []
+        assert fused_commit_enabled(cfg)
+        assert commit_summary(cfg) == (
+            "commit: fused into the next verify (record scratch of 2 x "
+            f"{cfg.scheduler_config.max_num_seqs} rows)")
+    # eager is the default, and nothing is logged for it
+    plain = build_config(*MTP3)
+    assert requested_commit(plain) == "eager" and not fused_commit_enabled(plain)
+    assert commit_summary(plain) is None
+
+
+def test_fused_commit_falls_back_to_eager_and_says_why(build_config: Any) -> None:
+    cfg = build_config(*MTP3, *FUSED)
+    with on_gpu(v2_runner=True):
+        assert not fused_commit_enabled(cfg)
+        assert fused_commit_blockers(cfg) == [
+            "model runner V2 commits through vLLM's model state"]
+    cached = with_prefix_caching(cfg, block_size=16)
+    with on_gpu(v2_runner=True):
+        assert commit_summary(cached) == (
+            "commit: eager, not fused: model runner V2 commits through vLLM's model state; "
+            "prefix caching caches state blocks between steps")
+    with on_gpu(capability=(12, 0), v2_runner=False), \
+            mock.patch.object(plugin_config, "choose_kernel_backend", lambda cap: "b12x"):
+        assert fused_commit_blockers(cfg) == [
+            "b12x runs verify and commit here and has no fused verify"]
+    off = build_config(*MTP3, "--additional-config",
+                       '{"recoverssm": "off", "recoverssm_commit": "fused"}')
+    assert not fused_commit_enabled(off) and commit_summary(off) is None
+
+
+def test_an_unknown_commit_mode_is_refused_naming_the_key(build_config: Any) -> None:
+    with pytest.raises(ValueError, match=r"additional_config\['recoverssm_commit'\]: "
+                       "expected one of eager, fused, got 'later'"):
+        build_config(*MTP3, "--additional-config", '{"recoverssm_commit": "later"}')

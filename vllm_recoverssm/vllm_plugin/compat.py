@@ -433,6 +433,11 @@ def in_process_engine_core(llm: Any) -> Any | None:
     return getattr(client, "engine_core", None)
 
 
+def in_process_model_runner(core: Any) -> Any:
+    """The (single) worker's model runner of an in-process engine core."""
+    return core.model_executor.driver_worker.worker.model_runner
+
+
 def engine_has_connector_work(core: Any) -> bool:
     """The scheduler still holds requests that ended (blocks kept for a connector) but no
     live ones: one more engine step hands their exports to the workers."""
@@ -464,9 +469,8 @@ def kv_allocation(llm: Any) -> dict[str, Any]:
     for group in kv_config.kv_cache_groups:
         spec = group.kv_cache_spec
         blocks = max(blocks, spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
-    runner = core.model_executor.driver_worker.worker.model_runner
     scratch = 0
-    for layer in runner.compilation_config.static_forward_context.values():
+    for layer in runner_forward_context(in_process_model_runner(core)).values():
         records = getattr(layer, "recovery_records", None)
         if callable(records) and getattr(layer, "use_recovery", False):
             scratch += sum(int(t.nbytes) for t in records())

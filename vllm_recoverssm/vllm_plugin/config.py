@@ -35,6 +35,16 @@ LOGGER_NAME = "vllm.recoverssm"
 CONFIG_KEY = "recoverssm"
 """Key in ``--additional-config``: ``{"recoverssm": "auto" | "on" | "off"}``."""
 
+COMMIT_KEY = "recoverssm_commit"
+"""Key in ``--additional-config``: ``{"recoverssm_commit": "eager" | "fused"}``.
+
+``eager`` (the default) commits each step's accepted tokens right after sampling.
+``fused`` defers them into the request's next verify (one launch that reads the state once
+and writes it once); it doubles the record scratch (``2 * max_num_seqs`` rows) and applies
+only where :func:`fused_commit_blockers` finds nothing against it."""
+
+COMMIT_MODES = ("eager", "fused")
+
 REQUEST_BOUNDARY_KEY = "request_boundary_checkpoints"
 """``kv_connector_extra_config`` flag a connector sets when it only exports atomic
 request-boundary checkpoints (the one kind of connector recovery state can go through)."""
@@ -60,6 +70,47 @@ def requested_mode(vllm_config: VllmConfig) -> RecoveryMode:
         raise ValueError(
             f"additional_config['{CONFIG_KEY}']: expected one of auto, on, off, got {value!r}"
         ) from None
+
+
+def requested_commit(vllm_config: VllmConfig) -> str:
+    """The commit mode asked for in ``additional_config`` (``eager`` when absent)."""
+    extra = vllm_config.additional_config
+    value = extra.get(COMMIT_KEY, "eager") if isinstance(extra, dict) else "eager"
+    mode = str(value).lower()
+    if mode not in COMMIT_MODES:
+        raise ValueError(
+            f"additional_config['{COMMIT_KEY}']: expected one of {', '.join(COMMIT_MODES)}, "
+            f"got {value!r}"
+        )
+    return mode
+
+
+def fused_commit_blockers(vllm_config: VllmConfig) -> list[str]:
+    """Why the commit cannot be fused into the next verify here (empty: it can).
+
+    The deferred records live in the step-row scratch until the request's next verify, so
+    nothing else may read the state in between: no prefix-cache block (mode ``align``) and
+    no KV connector export. Runner V2 commits through vLLM's model state, and b12x has no
+    fused verify; both keep the eager commit.
+    """
+    out: list[str] = []
+    if vllm_config.use_v2_model_runner:
+        out.append("model runner V2 commits through vLLM's model state")
+    if vllm_config.cache_config.mamba_cache_mode == "align":
+        out.append("prefix caching caches state blocks between steps")
+    if kv_connector_kind(vllm_config) is not None:
+        out.append("a KV connector may export the state between steps")
+    cap = cuda_capability()
+    if cap is not None and choose_kernel_backend(cap) == "b12x":
+        out.append("b12x runs verify and commit here and has no fused verify")
+    return out
+
+
+def fused_commit_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether this process defers each step's commit into the next verify."""
+    if requested_commit(vllm_config) != "fused" or not recovery_enabled(vllm_config):
+        return False
+    return not fused_commit_blockers(vllm_config)
 
 
 def is_glm53(vllm_config: VllmConfig) -> bool:
@@ -196,6 +247,17 @@ def recovery_enabled(vllm_config: VllmConfig) -> bool:
         return False
 
 
+def commit_summary(vllm_config: VllmConfig) -> str | None:
+    """One line on the commit mode when ``fused`` was asked for (None otherwise)."""
+    if requested_commit(vllm_config) != "fused" or not recovery_enabled(vllm_config):
+        return None
+    blockers = fused_commit_blockers(vllm_config)
+    if not blockers:
+        return ("commit: fused into the next verify (record scratch of "
+                f"2 x {vllm_config.scheduler_config.max_num_seqs} rows)")
+    return "commit: eager, not fused: " + "; ".join(blockers)
+
+
 def log_decision_once(vllm_config: VllmConfig, decision: Decision) -> None:
     """Log ``decision`` with its reasons, once per process and deployment."""
     key = (vllm_config.model_config.architecture, decision.mode, decision.use_recovery,
@@ -204,3 +266,6 @@ def log_decision_once(vllm_config: VllmConfig, decision: Decision) -> None:
         return
     _logged.add(key)
     plugin_logger().info("vllm-recoverssm: %s", decision.summary().replace("\n", "\n  "))
+    commit = commit_summary(vllm_config) if decision.use_recovery else None
+    if commit is not None:
+        plugin_logger().info("vllm-recoverssm: %s", commit)

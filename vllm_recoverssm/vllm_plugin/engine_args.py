@@ -26,7 +26,13 @@ import functools
 from typing import Any
 
 from ..config import GLM53_ARCHITECTURES, RecoveryMode
-from .config import CONFIG_KEY, decide_for_vllm_config, is_glm53, log_decision_once
+from .config import (
+    CONFIG_KEY,
+    decide_for_vllm_config,
+    is_glm53,
+    log_decision_once,
+    requested_commit,
+)
 
 FLAG_DEST = "use_replayssm"
 HELP_NOTE = (
@@ -106,6 +112,7 @@ def check_at_startup(vllm_config: Any) -> None:
     from .distributed.kv_connector.startup import check_kv_connector
 
     check_kv_connector(vllm_config)
+    requested_commit(vllm_config)  # a bad commit mode fails here, naming the key
     decision = decide_for_vllm_config(vllm_config)
     if is_glm53(vllm_config):
         log_decision_once(vllm_config, decision)

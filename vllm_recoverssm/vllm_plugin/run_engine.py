@@ -52,6 +52,8 @@ class EngineRun(BaseModel):
 
     model: str = Field(min_length=1, description="model directory")
     mode: Literal["auto", "on", "off"]
+    commit: Literal["eager", "fused"] | None = Field(
+        default=None, description="additional_config['recoverssm_commit'] (None: unset)")
     num_spec: int = Field(ge=1, le=7)
     drafter: Literal["oracle", "ngram", "dflash"] = "oracle"
     oracle: str | None = Field(default=None, description="oracle file (drafter 'oracle')")
@@ -107,6 +109,14 @@ class EngineReport(BaseModel):
     recovery: bool
     decision: list[str]
     """The decision lines the plugin logged (filled from the process's log)."""
+    commit_lines: list[str] = Field(default_factory=list)
+    """The commit-mode lines the plugin logged (only when ``fused`` was asked for)."""
+    deferred_commit_steps: int = 0
+    """Steps whose commit was deferred into the next verify (fused commit)."""
+    settles: int = 0
+    """Steps that committed deferred rows on their own (requests that left the batch)."""
+    settles_skipped: int = 0
+    """Steps that skipped that: every deferred request was verified again."""
     outputs: list[list[int]]
     num_cached_tokens: list[int]
     drafts: int
@@ -154,10 +164,13 @@ def engine_environment(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def llm_kwargs(run: EngineRun) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for ``run``."""
+    from .config import COMMIT_KEY
     from .model_loader import LOAD_FORMAT
     from .spec_decode.oracle import CLASS_PATH, CONFIG_KEY
 
     extra: dict[str, Any] = {"recoverssm": run.mode}
+    if run.commit is not None:
+        extra[COMMIT_KEY] = run.commit
     if run.drafter == "oracle":
         spec: dict[str, Any] = {"method": "custom_class", "model": CLASS_PATH,
                                 "num_speculative_tokens": run.num_spec}
@@ -182,6 +195,7 @@ def llm_kwargs(run: EngineRun) -> dict[str, Any]:
 
 
 DECISION_MARK = "vllm-recoverssm: recovery:"
+COMMIT_MARK = "vllm-recoverssm: commit:"
 
 
 def decision_lines(log: str) -> list[str]:
@@ -264,6 +278,7 @@ def run(run: EngineRun) -> EngineReport:
 
     from . import compat
     from .config import recovery_enabled
+    from .worker.commit import deferred_commit_counts
 
     kwargs = llm_kwargs(run)
     if run.kv_transfer_config is not None:
@@ -295,8 +310,13 @@ def run(run: EngineRun) -> EngineReport:
 
         flushed = flush_checkpoints(llm)
         connector = compat.kv_connector_worker_stats()
+    core = compat.in_process_engine_core(llm)
+    counts = {} if core is None else deferred_commit_counts(
+        compat.runner_forward_context(compat.in_process_model_runner(core)))
     return EngineReport(
         vllm_version=compat.vllm_version(), mode=run.mode,
+        deferred_commit_steps=counts.get("deferred_commit_steps", 0),
+        settles=counts.get("settles", 0), settles_skipped=counts.get("settles_skipped", 0),
         recovery=recovery_enabled(llm.llm_engine.vllm_config), decision=[],
         outputs=[list(o.outputs[0].token_ids) for o in outs],
         num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],
@@ -344,6 +364,8 @@ def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
         raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{tail}")
     report = EngineReport.model_validate_json(report_path.read_text())
     report.decision = decision_lines(log)
+    report.commit_lines = [line[line.find(COMMIT_MARK):] for line in log.splitlines()
+                           if COMMIT_MARK in line]
     return report
 
 

@@ -15,6 +15,12 @@ plugin's post-sampling hook (:mod:`..worker.commit`) commits it. Either way it i
 commit and one conv compaction for all KDA layers of the KV-cache group, before the next
 step (and before any request-boundary export) reads the state.
 
+With ``additional_config["recoverssm_commit"]="fused"`` (runner V1, no prefix caching, no
+KV connector) the commit after sampling only records what is pending
+(:mod:`..worker.deferred_commit`); the builder of the next step settles it before the
+forward: rows verified again replay their records inside the fused verify, every other
+row is committed on its own.
+
 Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models; runner
 V2) keeps a state block every ``B`` tokens. There the builder takes vLLM's aligned state
 indices (the block of the step's last scheduled token, which vLLM's runner pre-copies the
@@ -29,6 +35,7 @@ used. vLLM's runner then moves its running-state column
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,8 +47,10 @@ from ... import ops
 from ...ops.b12x_kda import B12xKdaRecovery
 from ...state.commit_plan import build_align_commit_plan
 from .. import compat
+from ..config import fused_commit_enabled
 from ..kernels import b12x_recovery_for
 from ..worker.commit import register_commit_context
+from ..worker.deferred_commit import DeferredCommits
 
 GDNAttentionBackend: Any = compat.GDNAttentionBackend
 GDNAttentionMetadata: Any = compat.GDNAttentionMetadata
@@ -128,7 +137,10 @@ class RecoveryCommitContext:
     """The KDA layers of one KV-cache group and what commit needs from them."""
 
     def __init__(self, layer_names: list[str], static_forward_context: dict[str, Any],
-                 ops_backend: str = "auto", b12x: B12xKdaRecovery | None = None) -> None:
+                 ops_backend: str = "auto", b12x: B12xKdaRecovery | None = None,
+                 deferred: DeferredCommits | None = None) -> None:
+        self.deferred = deferred
+        """Pending counts when commits are fused into the next verify (else None)."""
         self.layer_names = list(layer_names)
         self.forward_context = static_forward_context
         """vLLM's layer table (``static_forward_context``) the layer names index."""
@@ -140,6 +152,8 @@ class RecoveryCommitContext:
         self._params: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step: RecoverKDAMetadata | None = None
         """The step built last and not yet committed (used under runner V1)."""
+        self._runner: weakref.ref[Any] | None = None
+        self._request_ids: list[str | None] | None = None
 
     def layers(self) -> list[Any]:
         """The layer modules, in group order."""
@@ -181,6 +195,37 @@ class RecoveryCommitContext:
                 ops.conv_compact(conv, lp, kernel_width=m.conv_size,
                                  backend=self.ops_backend, validate=check)
 
+    def see_batch(self, runner: Any, request_ids: list[str | None]) -> None:
+        """The runner that sampled and its batch's request ids, row by row (runner V1)."""
+        self._runner = weakref.ref(runner)
+        self._request_ids = request_ids
+
+    def request_keys(self, rows: list[int] | None, current: bool) -> list[str | None] | None:
+        """The request id of each batch row in ``rows``: of the step just sampled, or
+        (``current``) of the step being built, read from the runner's batch. None where
+        the host does not know them."""
+        if rows is None:
+            return None
+        if current:
+            runner = self._runner() if self._runner is not None else None
+            ids = compat.runner_request_ids(runner) if runner is not None else None
+        else:
+            ids = self._request_ids
+        if ids is None:
+            return None
+        # Rows past the batch are CUDA-graph padding: null slots, never pending.
+        return [ids[r] if r < len(ids) else None for r in rows]
+
+    def settle(self, slots: torch.Tensor, keys: list[str | None] | None = None) -> None:
+        """Commit, on their own, the deferred rows that this step (speculative slots
+        ``slots``, of requests ``keys`` where known) does not verify again (fused commit
+        only)."""
+        if self.deferred is None or not self.deferred.needs_settle(keys):
+            return
+        stale = self.deferred.stale_commit(slots)
+        if stale is not None:
+            self.commit(*stale)
+
     def set_step(self, metadata: RecoverKDAMetadata | None) -> None:
         """Remember this step's metadata for the post-sampling commit (runner V1)."""
         self.step = metadata
@@ -211,10 +256,18 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
     commit_context: RecoveryCommitContext | None = None
     spec_request_rows: torch.Tensor | None = None
     """Batch row of each speculative row (to read its sampled-token count)."""
+    spec_request_rows_cpu: list[int] | None = None
+    """The same rows on the host."""
     align: AlignCommitInfo | None = None
     """Set in mamba cache mode ``align`` (prefix caching)."""
     committed: bool = False
     """Set by the first commit: a step's records are replayed once."""
+    prev_lens: torch.Tensor | None = None
+    """Fused commit: records each speculative row replays before its verify (else None)."""
+    prev_record_rows: torch.Tensor | None = None
+    """Fused commit: the scratch row holding them."""
+    step_record_rows: torch.Tensor | None = None
+    """Fused commit: the scratch row this step's records go to (default: the row index)."""
 
     def spec_slots(self) -> torch.Tensor:
         """The checkpoint slot of each speculative row (null rows are -1)."""
@@ -222,7 +275,10 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
         return to_ops_slots(self.spec_state_indices_tensor[: self.num_spec_decodes, 0])
 
     def record_rows(self) -> torch.Tensor:
-        """The record-scratch row of each speculative row: its position in the step."""
+        """The record-scratch row of each speculative row: its position in the step (under
+        the fused commit, in the scratch half of this step)."""
+        if self.step_record_rows is not None:
+            return self.step_record_rows
         assert self.spec_state_indices_tensor is not None
         return torch.arange(self.num_spec_decodes, dtype=torch.int32,
                             device=self.spec_state_indices_tensor.device)
@@ -248,6 +304,14 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
         records = self.record_rows()
         if self.align is None:
             commit_lens = torch.minimum(sampled.clamp(min=0), query_lens).contiguous()
+            deferred = self.commit_context.deferred
+            if deferred is not None:
+                layers = self.commit_context.layers()
+                num_slots = int(layers[0].kv_cache[1].shape[0]) if layers else 0
+                keys = self.commit_context.request_keys(self.spec_request_rows_cpu,
+                                                        current=False)
+                deferred.defer(slots, commit_lens, records, num_slots, keys)
+                return None
             plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
             self.commit_context.commit(plan, records)
             return None
@@ -288,9 +352,12 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        fused = fused_commit_enabled(vllm_config)
         self.commit_context = RecoveryCommitContext(
             layer_names, vllm_config.compilation_config.static_forward_context,
             b12x=b12x_recovery_for(vllm_config, device),
+            deferred=DeferredCommits(int(vllm_config.scheduler_config.max_num_seqs), device)
+            if fused else None,
         )
         register_commit_context(self.commit_context)
         # Neutral accepted counts: the checkpoint never carries a speculative offset.
@@ -309,8 +376,26 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         meta = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                              num_decode_draft_tokens_cpu, fast_build)
         narrowed = self.narrow(meta, common_attn_metadata)
+        if self.commit_context.deferred is not None:
+            self.settle_deferred(narrowed)
         self.commit_context.set_step(narrowed if narrowed.num_spec_decodes else None)
         return narrowed
+
+    def settle_deferred(self, meta: RecoverKDAMetadata) -> None:
+        """Fused commit: settle the previous step's pending records before this step runs
+        (module docstring) and give ``meta`` its fused-verify inputs."""
+        deferred = self.commit_context.deferred
+        assert deferred is not None
+        n = meta.num_spec_decodes
+        slots = (meta.spec_slots().contiguous() if n else
+                 torch.empty(0, dtype=torch.int32, device=self._ones.device))
+        keys = self.commit_context.request_keys(meta.spec_request_rows_cpu if n else [],
+                                                current=True)
+        self.commit_context.settle(slots, keys)
+        prev_lens, prev_rows, rows = deferred.take(slots)
+        if n:
+            meta.prev_lens, meta.prev_record_rows, meta.step_record_rows = (
+                prev_lens, prev_rows, rows)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> RecoverKDAMetadata:
         """Capture metadata: built like a step's, but never committed (no sampling)."""
@@ -324,6 +409,7 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         (mamba cache mode ``align``) the block table and counts of ``common`` for commit."""
         values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
         rows = None
+        rows_cpu: list[int] | None = None
         spec = meta.spec_state_indices_tensor
         if spec is not None:
             values["spec_state_indices_tensor"] = spec[:, :RECOVERY_STATE_COLUMNS]
@@ -332,9 +418,12 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
             device = spec.device
             if masks is None or meta.num_prefills + meta.num_decodes == 0:
                 # Pure speculative step: rows are the first num_spec_decodes.
+                rows_cpu = list(range(spec.shape[0]))
                 rows = torch.arange(spec.shape[0], dtype=torch.long, device=device)
             else:
-                rows = masks.nonzero().flatten().to(device)
+                at = masks.nonzero().flatten()
+                rows_cpu = at.tolist()  # a host tensor: no device sync
+                rows = at.to(device)
         align = None
         if spec is not None and getattr(self.kv_cache_spec, "mamba_cache_mode", "none") == "align":
             if common is None:
@@ -345,7 +434,8 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
                 block_size=int(self.kv_cache_spec.block_size),
             )
         return RecoverKDAMetadata(**values, commit_context=self.commit_context,
-                                  spec_request_rows=rows, align=align)
+                                  spec_request_rows=rows, spec_request_rows_cpu=rows_cpu,
+                                  align=align)
 
 
 class RecoverKDAAttentionBackend(GDNAttentionBackend):

@@ -57,6 +57,19 @@ def register_commit_context(context: RecoveryCommitContext) -> None:
     compat.install_v1_commit_hook(commit_after_sampling)
 
 
+def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
+    """The fused commit's step counts over the recovery groups of ``forward_context`` (a
+    runner's layer table): ``deferred_commit_steps``, ``settles``, ``settles_skipped``
+    (all 0 under the eager commit)."""
+    tables = [c.deferred for c in list(_contexts)
+              if c.forward_context is forward_context and c.deferred is not None]
+    return {
+        "deferred_commit_steps": sum(d.deferred_steps for d in tables),
+        "settles": sum(d.settles for d in tables),
+        "settles_skipped": sum(d.settles_skipped for d in tables),
+    }
+
+
 def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:
     """Tokens sampled per batch row (accepted drafts + 1): vLLM pads rows with -1."""
     return (sampled_token_ids != -1).sum(dim=1).to(torch.int32)
@@ -71,5 +84,7 @@ def commit_after_sampling(runner: Any, sampled_token_ids: torch.Tensor) -> None:
     num_sampled = sampled_counts(sampled_token_ids)
     for limit in list(_limits):
         num_sampled = torch.minimum(num_sampled, limit(runner, num_sampled))
+    request_ids = compat.runner_request_ids(runner)
     for context in mine:
+        context.see_batch(runner, request_ids)
         context.commit_step(num_sampled)

@@ -10,7 +10,9 @@ expects. Under recovery the KV-cache spec reserves no speculative blocks (one pa
 request instead of ``S+1``), and the per-token update records live in two per-layer
 scratch buffers of ``max_num_seqs`` rows (FP32 corrections, raw k|g in the activation
 dtype), indexed by the speculative row of the step: they only live from verify to the
-commit after sampling, so no cached or exported page carries them.
+commit after sampling, so no cached or exported page carries them. With the commit fused
+into the next verify they live one step longer, so the scratch has two halves
+(``2 * max_num_seqs`` rows) and a step writes the half the previous one did not.
 
 Rows. Speculative rows under recovery run :func:`.kda_rows.recovery_rows` (conv at offset
 0, recovery verify). On a platform where vLLM has KDA kernels (CUDA) every other row, and
@@ -27,7 +29,7 @@ import torch
 
 from ... import compat
 from ...attention.recover_kda import RecoverKDAAttentionBackend, RecoverKDAMetadata
-from ...config import recovery_enabled
+from ...config import fused_commit_enabled, recovery_enabled
 from .kda_rows import full_state_rows, prompt_rows, recovery_rows
 
 _BASE: Any = compat.Glm5NextLinearAttention
@@ -64,6 +66,8 @@ class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
         self._b12x_params: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.use_recovery:
             rows = int(vllm_config.scheduler_config.max_num_seqs)
+            if fused_commit_enabled(vllm_config):
+                rows *= 2  # one half written by this step, one read as pending records
             window = int(self.num_spec) + 1
             h, d = self.local_num_heads, self.head_dim
             # Buffers move with the model; non-persistent ones are neither loaded nor

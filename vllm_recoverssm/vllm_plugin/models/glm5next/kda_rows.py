@@ -15,7 +15,9 @@ served there in both modes.
   (:func:`vllm_recoverssm.ops.verify_full`, :func:`vllm_recoverssm.ops.conv_update`).
 * :func:`recovery_rows` -- the checkpoint column only: conv at offset 0 and recovery
   verify, writing the update records into the layer's scratch rows (one per speculative
-  row of the step, :func:`vllm_recoverssm.ops.verify_recovery`).
+  row of the step, :func:`vllm_recoverssm.ops.verify_recovery`); under the fused commit,
+  the previous step's pending records are replayed first, in the same launch
+  (:func:`vllm_recoverssm.ops.verify_fused`).
 """
 
 from __future__ import annotations
@@ -158,7 +160,9 @@ def recovery_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
     """Conv update at offset 0 and recovery verify of the speculative rows of ``meta``.
 
     The checkpoint is read, never written; speculative row ``i``'s records go to scratch
-    row ``i`` (``meta.record_rows()``), where the commit after sampling reads them.
+    row ``meta.record_rows()[i]``, where the commit after sampling reads them. Under the
+    fused commit (``meta.prev_lens`` set) each row first replays its pending records into
+    the checkpoint and writes it back, in the same launch.
     """
     conv_state, state = layer.kv_cache[0], layer.kv_cache[1]
     corrections, kg = layer.recovery_records()
@@ -169,12 +173,24 @@ def recovery_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
     slots = meta.spec_slots().contiguous()
     rows = meta.record_rows()
     qsl = meta.spec_query_start_loc[: n + 1].to(torch.int32).contiguous()
+    prev_lens = meta.prev_lens
+    # Under the fused commit the conv history of a row with pending records still sits
+    # at offset ``pending - 1`` (not compacted), as in vLLM's full-state layout.
+    offsets = None if prev_lens is None else (prev_lens - 1).clamp(min=0).contiguous()
     with dim_first_conv(layer.conv_state_dim_first_view(conv_state), slots) as (conv, idx):
         x = ops.conv_update(qkv.contiguous(), conv, layer.merged_conv_weight(),
-                            layer.q_conv1d.bias, idx, qsl, activation="silu",
-                            backend=layer.ops_backend, validate=check)
+                            layer.q_conv1d.bias, idx, qsl, conv_offsets=offsets,
+                            activation="silu", backend=layer.ops_backend, validate=check)
     q, k, v = _split_heads(layer, x)
     g, beta = _gate_inputs(layer, raw_g, raw_beta)
+    if prev_lens is not None:
+        a_log, dt_bias = _gate_params(layer)
+        return ops.verify_fused(
+            q, k, v, g, beta, a_log, dt_bias, state, slots, qsl, corrections, kg,
+            prev_lens, lower_bound=layer.kda_lower_bound, record_indices=rows,
+            prev_record_indices=meta.prev_record_rows, backend=layer.ops_backend,
+            validate=check,
+        )
     b12x = meta.commit_context.b12x if meta.commit_context is not None else None
     if b12x is not None:
         a_log32, dt_bias32 = layer.float_gate_params()
