@@ -7,6 +7,7 @@ import torch
 
 from vllm_recoverssm.reference import (
     CPU_MODEL,
+    GLM_TP2_MODEL,
     GPU_MODEL,
     TEST_MODEL,
     HybridModel,
@@ -27,6 +28,11 @@ def test_layer_pattern_is_glm53() -> None:
     assert CPU_MODEL.attention_layers == [3, 7]
     assert CPU_MODEL.kda_layers == [0, 1, 2, 4, 5, 6]
     assert GPU_MODEL.kda_head_dim == 128
+    # GLM-5.3's 64 KDA heads split over two GPUs: a 2 MiB FP32 state per request and layer
+    glm = GLM_TP2_MODEL
+    assert (glm.num_kda_heads, glm.kda_head_dim, glm.dtype) == (32, 128, "bfloat16")
+    assert glm.num_kda_heads * glm.kda_head_dim ** 2 * 4 == 2 << 20
+    assert len(glm.kda_layers) == 12 and glm.attention_layers == [3, 7, 11, 15]
     model = build_model(TEST_MODEL)
     kinds = [type(layer.mixer) for layer in model.layers]  # type: ignore[union-attr]
     assert kinds == [KDAMixer, KDAMixer, KDAMixer, PagedAttention]

@@ -27,6 +27,20 @@ def test_chunked_prefill_mixes_with_decode(
     assert rt.stats.prefill_tokens == sum(len(p) for p in prompts)
 
 
+def test_decode_tokens_per_second_counts_only_steps_without_prompt_rows(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]],
+) -> None:
+    drafter = oracle(tiny_model, prompts, references, 0.3)
+    _, rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3, max_prefill_tokens=5)
+    s = rt.stats
+    # every prompt's first token comes from a step with prompt rows, and chunked prefill
+    # mixes more of those with decode rows: they are left out
+    assert 0 < s.decode_only_tokens <= s.generated_tokens - len(prompts)
+    assert s.mixed_steps > 0
+    assert 0 < s.decode_only_seconds < s.seconds
+    assert s.decode_tokens_per_second == s.decode_only_tokens / s.decode_only_seconds
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_small_pool_makes_requests_wait(

@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run (default: cuda when present, else cpu)")
     p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
-                   help="model size preset (default: gpu on a GPU, else cpu)")
+                   help="model size preset (default: gpu on a GPU, else cpu; glm-tp2: "
+                   "GLM-5.3's 32 KDA heads x 128 per GPU at TP2, 12 KDA + 4 attention layers)")
     p.add_argument("--requests", type=Int(1, MAX_REQUESTS), default=None,
                    help=f"prompts in the batch, 1..{MAX_REQUESTS} (default: 8 on CPU, 16 on GPU)")
     p.add_argument("--max-new-tokens", type=Int(1, MAX_NEW_TOKENS), default=None,
@@ -143,10 +144,11 @@ def format_report(report: DemoReport) -> str:
         lines.append(f"  commit   {report.commit}")
     lines.append("")
     lines += table(
-        [("mode", "<11"), ("tokens/s", ">9.1f"), ("steps", ">6"), ("accepted", ">9.1%"),
-         ("", ""), ("accept lengths 0..S", "<22"), ("state/request", ">14"),
-         ("planner", ">14")],
-        [(MODE_TITLES[mode], m.tokens_per_second, m.steps, m.acceptance_rate, "",
+        [("mode", "<11"), ("tokens/s", ">9.1f"), ("decode tok/s", ">13.1f"), ("steps", ">6"),
+         ("accepted", ">9.1%"), ("", ""), ("accept lengths 0..S", "<22"),
+         ("state/request", ">14"), ("planner", ">14")],
+        [(MODE_TITLES[mode], m.tokens_per_second, m.decode_tokens_per_second, m.steps,
+          m.acceptance_rate, "",
           str(m.accept_histogram), mib(m.state_bytes_per_request),
           mib(m.planner_state_bytes_per_request))
          for mode, m in report.modes.items()])

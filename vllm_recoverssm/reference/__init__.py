@@ -16,7 +16,7 @@ from .drafters import (
 )
 from .greedy import greedy_continuations
 from .model import HybridModel, build_model
-from .model_config import CPU_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
+from .model_config import CPU_MODEL, GLM_TP2_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
 from .request import Request
 from .runtime import RuntimeStats, SpecRuntime
 from .runtime_config import RuntimeConfig, slots_per_request
@@ -25,6 +25,7 @@ from .step_inputs import FULL_STATE, MODES, RECOVERY
 __all__ = [
     "CPU_MODEL",
     "FULL_STATE",
+    "GLM_TP2_MODEL",
     "GPU_MODEL",
     "MODES",
     "RECOVERY",

@@ -29,12 +29,14 @@ from .demo_checkpoint import (
 from .drafters import Drafter, MTPDrafter, OracleDrafter, corruption_for_acceptance
 from .greedy import greedy_continuations
 from .model import HybridModel, build_model
-from .model_config import CPU_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
+from .model_config import CPU_MODEL, GLM_TP2_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
 from .runtime import SpecRuntime
 from .runtime_config import RuntimeConfig
 from .step_inputs import FULL_STATE, MODES, RECOVERY
 
-MODEL_PRESETS: dict[str, ModelConfig] = {"cpu": CPU_MODEL, "gpu": GPU_MODEL, "test": TEST_MODEL}
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "cpu": CPU_MODEL, "gpu": GPU_MODEL, "glm-tp2": GLM_TP2_MODEL, "test": TEST_MODEL,
+}
 DRAFTERS = ("oracle", "mtp")
 
 ProgressFn = Callable[[str, int, int], None]
@@ -96,6 +98,8 @@ class ModeReport:
     seconds: float
     generated_tokens: int
     tokens_per_second: float
+    decode_tokens_per_second: float
+    """Tokens/s of the steps without prompt rows (verify-only steps)."""
     steps: int
     acceptance_rate: float
     accept_histogram: list[int]
@@ -176,7 +180,8 @@ def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
     pool_bytes = pools.total_slot_bytes + pools.record_row_bytes * pools.record_rows
     return ModeReport(
         mode=mode, seconds=s.seconds, generated_tokens=s.generated_tokens,
-        tokens_per_second=s.tokens_per_second, steps=s.steps,
+        tokens_per_second=s.tokens_per_second,
+        decode_tokens_per_second=s.decode_tokens_per_second, steps=s.steps,
         acceptance_rate=s.acceptance_rate, accept_histogram=list(s.accept_histogram),
         state_bytes_per_request=measured_state_bytes(runtime),
         planner_state_bytes_per_request=planned_state_bytes(

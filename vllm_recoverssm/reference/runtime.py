@@ -86,6 +86,10 @@ class RuntimeStats:
     prefill_tokens: int = 0
     boundaries_mid_step: int = 0
     seconds: float = 0.0
+    decode_only_seconds: float = 0.0
+    """Wall time of the steps that ran verify rows and no prompt rows."""
+    decode_only_tokens: int = 0
+    """Tokens those steps generated."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -96,6 +100,14 @@ class RuntimeStats:
     def tokens_per_second(self) -> float:
         """Generated tokens per second of :meth:`SpecRuntime.run` wall time."""
         return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the steps without prompt rows: the work the two state
+        modes differ in (prompt chunks run the same prefill in both)."""
+        if not self.decode_only_seconds:
+            return 0.0
+        return self.decode_only_tokens / self.decode_only_seconds
 
 
 class SpecRuntime:
@@ -438,6 +450,8 @@ class SpecRuntime:
 
     def step(self) -> bool:
         """Admit, run one forward pass, accept and commit. False when nothing is left."""
+        started = time.perf_counter()
+        generated = self.stats.generated_tokens
         self._admit()
         self._finish_done()  # a restored prompt with one token to generate is done already
         if not self.running:
@@ -482,6 +496,10 @@ class SpecRuntime:
         self.stats.decode_steps += bool(decode_rows)
         self.stats.mixed_steps += bool(decode_rows and prefill_rows)
         self._finish_done()
+        if decode_rows and not prefill_rows:
+            # acceptance read the step's tokens back to the host, so the GPU work is done
+            self.stats.decode_only_seconds += time.perf_counter() - started
+            self.stats.decode_only_tokens += self.stats.generated_tokens - generated
         return True
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> list[Request]:
