@@ -40,6 +40,18 @@ def test_glm_tp2_s3_none_matches_the_worked_numbers():
     assert full.requests_fit is None and full.longest_context is None
 
 
+def test_the_fused_commit_doubles_the_scratch_rows():
+    eager = plan(PlanConfig(model=GLM_5_3, tp=2, num_spec=3)).layout("recovery_scratch")
+    p = plan(PlanConfig(model=GLM_5_3, tp=2, num_spec=3, fused_commit=True))
+    fused = p.layout("recovery_scratch")
+    assert fused.scratch_bytes == 2 * 256 * 34 * 131_072 == 2 * eager.scratch_bytes
+    assert fused.state_bytes_per_request == 34 * (2_244_608 + 2 * 131_072)
+    assert fused.reserve_bytes_per_request == eager.reserve_bytes_per_request
+    # records in pages have no scratch to double
+    assert p.layout("recovery_in_page").scratch_bytes == 0
+    assert "(+ its 2 scratch rows (fused commit)); scratch = 512 rows" in format_plan(p)
+
+
 @pytest.mark.parametrize("model", [GLM_5_3, KIMI_LINEAR, QWEN3_NEXT_80B_A3B],
                          ids=lambda m: m.name)
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -34,7 +34,7 @@ PLAN_FIELD_FLAGS: dict[str, str] = {
     "kv_cache_dtype": "--kv-cache-dtype", "gpu_memory_gib": "--gpu-memory",
     "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
     "state_dtype": "--state-dtype", "block_size": "--block-size", "cache_mode": "--cache-mode",
-    "num_spec": "--num-spec", "tp": "--tp",
+    "num_spec": "--num-spec", "tp": "--tp", "fused_commit": "--commit",
 }
 """Planner field -> the flag that sets it, for messages that come from the planner."""
 
@@ -88,6 +88,10 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    help="attention KV cache dtype (default auto: the activation dtype)")
     d.add_argument("--max-num-seqs", type=Int(1, MAX_NUM_SEQS), default=256,
                    help="running requests at most (scratch rows; default 256)")
+    d.add_argument("--commit", choices=("eager", "fused"), default="eager",
+                   help="recovery commit: eager (after sampling, default) or fused into the "
+                        "next verify (two scratch rows per running request; the plugin's "
+                        "additional_config recoverssm_commit)")
     d.add_argument("--max-model-len", type=Int(1, MAX_MODEL_LEN),
                    help="context length of a max-length request (default: the model's)")
     d.add_argument("--gpu-memory", type=Float(0.0, MAX_GPU_MEMORY_GIB, lo_open=True),
@@ -144,6 +148,7 @@ def plan_config_from_args(args: argparse.Namespace) -> PlanConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             gpu_memory_gib=args.gpu_memory,
             prefill_checkpoint_blocks=int(args.prefill_checkpoints),
+            fused_commit=args.commit == "fused",
         ))
     except ValidationError as exc:
         raise UsageError(validation_message(exc, PLAN_FIELD_FLAGS)) from None

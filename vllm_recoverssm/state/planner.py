@@ -62,6 +62,10 @@ class PlanConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)
     gpu_memory_gib: float | None = Field(default=None, gt=0)
     prefill_checkpoint_blocks: int = Field(default=0, ge=0, le=1)
+    fused_commit: bool = False
+    """The commit fused into the next verify: scratch records live one step longer, so
+    the scratch has two rows per running request (the vLLM plugin's
+    ``recoverssm_commit: fused``)."""
 
     @model_validator(mode="after")
     def _align(self) -> PlanConfig:
@@ -130,6 +134,7 @@ class Plan(BaseModel):
     state_dtype: str
     kv_cache_dtype: str
     max_num_seqs: int
+    fused_commit: bool = False
     max_model_len: int
     gpu_memory_gib: float | None
     num_linear_layers: int
@@ -217,8 +222,9 @@ def plan(config: PlanConfig) -> Plan:
     plans: list[LayoutPlan] = []
     for name, lay in layouts.items():
         reserve = L * lay.reserve_bytes_per_request
-        row = L * lay.scratch_row_bytes
-        scratch = L * lay.scratch_bytes(n_seqs)
+        rows = 2 if config.fused_commit else 1
+        row = rows * L * lay.scratch_row_bytes
+        scratch = L * lay.scratch_bytes(rows * n_seqs)
         per_req = reserve + row
         saving = full_req - per_req
         fit = longest = None
@@ -256,7 +262,8 @@ def plan(config: PlanConfig) -> Plan:
         cache_mode=config.cache_mode, block_size=config.block_size,
         prefill_checkpoint_blocks=config.prefill_checkpoint_blocks,
         activation_dtype=config.activation, state_dtype=config.resolved_state_dtype,
-        kv_cache_dtype=config.kv_cache_dtype, max_num_seqs=n_seqs, max_model_len=ctx,
+        kv_cache_dtype=config.kv_cache_dtype, max_num_seqs=n_seqs,
+        fused_commit=config.fused_commit, max_model_len=ctx,
         gpu_memory_gib=config.gpu_memory_gib, num_linear_layers=L,
         num_attention_layers=spec.num_attention_layers,
         num_draft_attention_layers=draft_layers, local_heads=dims.heads,
@@ -316,8 +323,10 @@ def format_plan(p: Plan) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += [fmt(r) for r in rows]
     lines.append("")
-    lines.append(f"per request = {p.num_linear_layers} layers x blocks x page (+ its scratch "
-                 f"row); scratch = {p.max_num_seqs} rows; at max_num_seqs: "
+    row_note = ("its 2 scratch rows (fused commit)" if p.fused_commit else "its scratch row")
+    scratch_rows = (2 if p.fused_commit else 1) * p.max_num_seqs
+    lines.append(f"per request = {p.num_linear_layers} layers x blocks x page (+ {row_note}); "
+                 f"scratch = {scratch_rows} rows; at max_num_seqs: "
                  + ", ".join(f"{lp.name} {_mib(lp.total_bytes_at_max_num_seqs)}"
                              for lp in p.layouts))
     lines.append(f"attention KV: {p.attention_bytes_per_token:,.2f} B per token"
