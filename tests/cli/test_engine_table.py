@@ -53,6 +53,22 @@ def test_the_table_names_both_modes_the_allocation_and_wave_two() -> None:
     assert recovery_row.split() == ["recovery", "100", "100", "18", "82", "1.50", "0.50",
                                     "yes"]
     assert "every follow-up restored its earlier turn: yes" in text
+    # no commit line logged: the plugin's default
+    assert "  commit   eager, right after sampling" in text
+    assert "record scratch of 196,608 B for 4 rows" in text
+
+
+def test_the_table_shows_the_fused_commit_and_its_two_scratch_halves() -> None:
+    report = _report([[5, 6], [7, 8]], [31, 51])
+    rec = report.modes["recovery"]
+    rec.commit_lines = ["vllm-recoverssm: commit: fused into the next verify (record "
+                        "scratch of 2 x 4 rows)"]
+    rec.deferred_commit_steps = 5
+    text = format_engine_report(report)
+    assert "  commit   fused into the next verify (record scratch of 2 x 4 rows)" in text
+    assert "record scratch of 196,608 B for 8 rows" in text
+    assert "the engines with the connector commit right after sampling" in text
+    assert report.to_dict()["scratch_rows"] == 8
 
 
 def test_the_table_says_when_wave_two_differs_or_missed_a_restore() -> None:

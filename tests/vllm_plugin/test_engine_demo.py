@@ -39,6 +39,10 @@ def test_demo_engine_vllm_serves_both_modes_and_restores_wave_two_from_disk(
     assert report["bytes_match_planner"]
     rec, full = report["modes"]["recovery"], report["modes"]["full_state"]
     assert rec["recovery"] and not full["recovery"]
+    # recovery commits inside the next verify (the demo's default), full states do not
+    assert report["commit"].startswith("fused into the next verify"), report["commit"]
+    assert rec["deferred_commit_steps"] > 0 and full["deferred_commit_steps"] == 0
+    assert report["scratch_rows"] == 2 * report["options"]["max_num_seqs"]
     assert rec["kv"]["blocks_per_request"] == 1 and full["kv"]["blocks_per_request"] == 3
     assert rec["kv"]["num_blocks"] == full["kv"]["num_blocks"]
     assert "demo: engine recovery" in proc.stderr  # progress lines

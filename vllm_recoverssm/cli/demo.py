@@ -49,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="reference: the project's decode loop (default); vllm: the tiny "
                         "GLM-5.3 through vLLM's own LLM engine with the plugin, both modes "
                         "(needs vLLM; --requests, --max-new-tokens, --num-spec, "
-                        "--acceptance, --seed, --checkpoint, --checkpoint-dir, --json "
-                        "apply)")
+                        "--acceptance, --seed, --checkpoint, --checkpoint-dir, "
+                        "--separate-commit, --json apply)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run (default: cuda when present, else cpu)")
     p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
@@ -79,7 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "temporary directory, removed afterwards)")
     p.add_argument("--separate-commit", action="store_true",
                    help="recovery: commit after each step on its own instead of inside the "
-                        "next step's verify")
+                        "next step's verify (with --engine vllm: the plugin's "
+                        "recoverssm_commit 'eager' instead of 'fused')")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying a CUDA graph")
     p.add_argument("--threads", type=Int(1, MAX_THREADS), default=1,
@@ -244,7 +245,8 @@ def run_vllm(args: argparse.Namespace) -> int:
 
     check_checkpoint_dir(args)
     fields: dict[str, object] = dict(num_spec=args.num_spec, acceptance=args.acceptance,
-                                     seed=args.seed, checkpoint=args.checkpoint)
+                                     seed=args.seed, checkpoint=args.checkpoint,
+                                     fused_commit=not args.separate_commit)
     if args.checkpoint_dir is not None:
         fields["checkpoint_dir"] = str(args.checkpoint_dir)
     if args.requests is not None:

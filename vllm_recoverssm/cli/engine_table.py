@@ -19,6 +19,7 @@ def format_engine_report(report: EngineDemoReport) -> str:
         f"  drafter  oracle (greedy continuation, {report.corruption:.0%} of drafts corrupted)",
         f"  cache    {o.kv_cache_bytes / (1 << 20):.0f} MiB of KV cache "
         f"(--kv-cache-memory-bytes)",
+        f"  commit   {report.commit}",
         "",
     ]
     lines += table(
@@ -36,7 +37,7 @@ def format_engine_report(report: EngineDemoReport) -> str:
         f"state per request (vLLM's allocation): recovery {rec.kv.state_bytes_per_request:,} B"
         f" vs full state {full.kv.state_bytes_per_request:,} B ({ratio:.2f}x less), "
         f"{'==' if report.bytes_match_planner else '!='} planner; recovery adds a record "
-        f"scratch of {rec.kv.scratch_bytes:,} B for {o.max_num_seqs} rows",
+        f"scratch of {rec.kv.scratch_bytes:,} B for {report.scratch_rows} rows",
         f"outputs identical (recovery vs full-state): "
         f"{'yes' if report.outputs_identical else 'NO'} ({total} tokens)",
         f"decision logged: {rec.decision[0].splitlines()[0] if rec.decision else 'none'}",
@@ -81,4 +82,7 @@ def format_checkpoints(report: EngineDemoReport) -> list[str]:
         lines.append(f"exports still unwritten when an engine stopped: {', '.join(unflushed)}")
     lines.append("times are wave 2's generate() alone (prefill and "
                  f"{o.max_new_tokens} decoded tokens per request), engine start-up excluded")
+    if o.fused_commit:
+        lines.append("the engines with the connector commit right after sampling: the fused "
+                     "commit does not apply with a KV connector")
     return lines

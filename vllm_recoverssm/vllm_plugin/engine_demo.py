@@ -55,6 +55,10 @@ class EngineDemoOptions(BaseModel):
         default=None, description="with checkpoint 'disk': the store (default: a temporary "
                                   "directory)")
     follow_up_tokens: int = Field(default=8, ge=1, le=512)
+    fused_commit: bool = Field(
+        default=True, description="recovery commits inside the next verify "
+                                  "(additional_config recoverssm_commit 'fused'); False: "
+                                  "right after sampling ('eager')")
 
     def model_post_init(self, _context: Any) -> None:
         """A store directory only makes sense for the disk backend."""
@@ -139,6 +143,20 @@ class EngineDemoReport:
     checkpoints: dict[str, WaveTwo] | None = None
 
     @property
+    def commit(self) -> str:
+        """How the recovery engine committed, as the plugin logged it."""
+        lines = self.modes["recovery"].commit_lines
+        if lines:
+            return lines[0].removeprefix("vllm-recoverssm: commit: ")
+        return "eager, right after sampling"
+
+    @property
+    def scratch_rows(self) -> int:
+        """Record scratch rows the recovery engine allocated (two halves when fused)."""
+        fused = self.modes["recovery"].deferred_commit_steps > 0
+        return (2 if fused else 1) * self.options.max_num_seqs
+
+    @property
     def outputs_identical(self) -> bool:
         """Recovery and full-state outputs equal token for token."""
         return self.modes["recovery"].outputs == self.modes["full_state"].outputs
@@ -167,10 +185,13 @@ class EngineDemoReport:
             "options": self.options.model_dump(), "prompt_lengths": self.prompt_lengths,
             "corruption": self.corruption, "outputs_identical": self.outputs_identical,
             "bytes_match_planner": self.bytes_match_planner, "wall_seconds": self.wall_seconds,
+            "commit": self.commit, "scratch_rows": self.scratch_rows,
             "modes": {m: {"recovery": r.recovery, "tokens_per_s": r.tokens_per_s,
                           "acceptance": r.acceptance, "kv": r.kv.model_dump(),
                           "planner_state_bytes_per_request": self.planner_bytes[m],
-                          "decision": r.decision} for m, r in self.modes.items()},
+                          "decision": r.decision,
+                          "deferred_commit_steps": r.deferred_commit_steps}
+                      for m, r in self.modes.items()},
             "checkpoints": None if self.checkpoints is None else
             {m: c.to_dict() for m, c in self.checkpoints.items()},
         }
@@ -220,8 +241,12 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
         root = Path(tmp) if workdir is None else workdir
         model = str(write_tiny_glm53(root / "tiny-glm53"))
 
+        commit = "fused" if options.fused_commit else "eager"
+
         def spec(mode: RecoveryFlag, oracle: str | None, **more: Any) -> EngineRun:
             fields: dict[str, Any] = dict(prompts=prompts, waves=follow_ups)
+            if mode == "on":
+                fields["commit"] = commit
             fields.update(more)
             return EngineRun(model=model, mode=mode, num_spec=options.num_spec,
                              oracle=oracle, max_tokens=options.max_new_tokens, engine=engine,
