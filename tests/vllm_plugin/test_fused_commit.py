@@ -45,24 +45,19 @@ def assert_fused(report: EngineReport, num_spec: int) -> None:
     assert report.kv.scratch_bytes == 3 * rows * 4 * (num_spec + 1) * 128 * (4 + 2 * 2)
 
 
-@pytest.mark.parametrize("num_spec, corrupt", [(3, 0.3), (7, 0.0)],
-                         ids=["S3-half", "S7-all"])
+@pytest.mark.parametrize("num_spec, corrupt, preempt", [(3, 0.3, None), (7, 0.0, 6)],
+                         ids=["S3-half", "S7-all-preempted"])
 def test_fused_commit_matches_full_state_token_for_token(
-    cold_run: ColdRun, num_spec: int, corrupt: float,
+    cold_run: ColdRun, num_spec: int, corrupt: float, preempt: int | None,
 ) -> None:
-    report = run_fused(cold_run, num_spec, corrupt, f"{num_spec}-{corrupt}")
+    """S = 3 at ~50% acceptance, and S = 7 at ~100% with every running request preempted
+    once after 6 steps: the pending records of a request that leaves the batch are
+    committed on their own, and its recompute starts clean."""
+    report = run_fused(cold_run, num_spec, corrupt, f"{num_spec}-{corrupt}", preempt)
     assert report.outputs == cold_run.continuations
     assert report.accepted_tokens > 0
-    assert_fused(report, num_spec)
-
-
-def test_fused_commit_through_preemption(cold_run: ColdRun) -> None:
-    """Every running request is preempted once: the pending records of a request that
-    leaves the batch are committed on their own, and its recompute starts clean."""
-    num_spec = 3
-    report = run_fused(cold_run, num_spec, 0.3, "preempt", preempt_after_steps=6)
-    assert report.preemptions > 0
-    assert report.outputs == cold_run.continuations
+    if preempt is not None:
+        assert report.preemptions > 0
     assert_fused(report, num_spec)
 
 
