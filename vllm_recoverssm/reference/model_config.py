@@ -131,17 +131,8 @@ GPU_MODEL = ModelConfig(
 )
 """GPU default: GLM-5.3's 128-dim KDA heads (8 of them), bfloat16 activations."""
 
-GLM_TP2_MODEL = ModelConfig(
-    vocab_size=4096,
-    hidden_size=2048,
-    num_layers=16,
-    num_kda_heads=32,
-    kda_head_dim=128,
-    num_attn_heads=16,
-    attn_head_dim=128,
-    intermediate_size=4096,
-    dtype="bfloat16",
-)
+GLM_TP2_MODEL = replace(GPU_MODEL, hidden_size=2048, num_layers=16, num_kda_heads=32,
+                        num_attn_heads=16, intermediate_size=4096)
 """GLM-5.3's KDA width per GPU at tensor parallel size 2 (32 heads x 128, a 2 MiB FP32
 state per request and layer) on 12 KDA + 4 attention layers: the state operations weigh
 in a step as they do in the real model, where the tiny ``GPU_MODEL`` leaves the step to
