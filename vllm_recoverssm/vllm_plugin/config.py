@@ -106,11 +106,13 @@ def fused_commit_blockers(vllm_config: VllmConfig) -> list[str]:
     return out
 
 
+def _fused_commit_asked(vllm_config: VllmConfig) -> bool:
+    return requested_commit(vllm_config) == "fused" and recovery_enabled(vllm_config)
+
+
 def fused_commit_enabled(vllm_config: VllmConfig) -> bool:
     """Whether this process defers each step's commit into the next verify."""
-    if requested_commit(vllm_config) != "fused" or not recovery_enabled(vllm_config):
-        return False
-    return not fused_commit_blockers(vllm_config)
+    return _fused_commit_asked(vllm_config) and not fused_commit_blockers(vllm_config)
 
 
 def is_glm53(vllm_config: VllmConfig) -> bool:
@@ -249,7 +251,7 @@ def recovery_enabled(vllm_config: VllmConfig) -> bool:
 
 def commit_summary(vllm_config: VllmConfig) -> str | None:
     """One line on the commit mode when ``fused`` was asked for (None otherwise)."""
-    if requested_commit(vllm_config) != "fused" or not recovery_enabled(vllm_config):
+    if not _fused_commit_asked(vllm_config):
         return None
     blockers = fused_commit_blockers(vllm_config)
     if not blockers:
