@@ -32,7 +32,14 @@ from ..cli.text import MODE_TITLES
 from ..config.models import model_spec_from_hf_config
 from ..state.planner import PlanConfig, plan
 from .distributed.kv_connector.settings import CONNECTOR_NAME
-from .run_engine import EngineReport, EngineRun, FollowUp, WaveReport, run_in_subprocess
+from .run_engine import (
+    COMMIT_MARK,
+    EngineReport,
+    EngineRun,
+    FollowUp,
+    WaveReport,
+    run_in_subprocess,
+)
 from .spec_decode.oracle import write_oracle
 from .tiny_model import tiny_glm53_config, write_tiny_glm53
 
@@ -147,7 +154,7 @@ class EngineDemoReport:
         """How the recovery engine committed, as the plugin logged it."""
         lines = self.modes["recovery"].commit_lines
         if lines:
-            return lines[0].removeprefix("vllm-recoverssm: commit: ")
+            return lines[0].removeprefix(COMMIT_MARK).strip()
         return "eager, right after sampling"
 
     @property
