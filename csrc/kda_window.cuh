@@ -252,15 +252,19 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   const T* beta = static_cast<const T*>(p.beta);
   T* out = static_cast<T*>(p.out);
 
+  // the slot is read before the first branch: a load a branch waits on costs a DRAM
+  // latency with the L2 cold, and at a batch of one such chained latencies set the time
   const int start = p.qsl[n];
-  const int ntok = p.qsl[n + 1] - start;
-  if (MODE != kFused && ntok <= 0) return;
+  const int qend = p.qsl[n + 1];
   long long slot;
   if (MODE == kFull) {
-    slot = p.sidx[(long long)n * W + p.nacc[n] - 1];
+    // an empty row may carry no accepted count: clamped, its (unused) read stays in range
+    slot = p.sidx[(long long)n * W + max(p.nacc[n], 1) - 1];
   } else {
     slot = p.sidx[n];
   }
+  const int ntok = qend - start;
+  if (MODE != kFused && ntok <= 0) return;
   const int row0 = blockIdx.x * kRows + warp * 16 * MT;  // this warp's first row
   if (slot < 0) {
     for (int i = tid; i < ntok * kRows; i += kThreads) {

@@ -327,6 +327,48 @@ def test_conv_update_and_compaction_match_reference(env: Env, S: int, act: torch
     assert torch.equal(c1, c2)
 
 
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
+def test_commit_token_loops_give_the_same_bits(env: Env, lb: float | None,
+                                               monkeypatch: pytest.MonkeyPatch):
+    """The commit's token loops (a runtime loop, unrolled with masked loads, a runtime
+    loop that loads ahead) give the same bits, boundary states and skipped rows
+    included, and stay within the tolerance of the float64 reference."""
+    from vllm_recoverssm.ops import triton_kda
+
+    S, batch, dev = 3, env.batches[-1], env.device
+    H, K, V, W = env.H, env.K, env.V, S + 1
+    gen = torch.Generator().manual_seed(31)
+    slots = 3 * batch + 2
+    pool = make_state(slots, H, V, K, device=dev, seed=31)
+    corr = torch.randn(slots, H, W, V, generator=gen).to(dev)
+    kg = torch.randn(slots, H, W, 2 * K, generator=gen).to(dev)
+    A_log = torch.randn(H, generator=gen).mul_(0.5).to(dev)
+    dt_bias = torch.randn(H, K, generator=gen).mul_(0.5).to(dev)
+    perm = torch.randperm(slots, generator=gen).to(torch.int32)
+    src, final, bound = perm[:batch], perm[batch: 2 * batch], perm[2 * batch: 3 * batch]
+    clen = torch.randint(0, W + 1, (batch,), generator=gen).to(torch.int32)
+    clen[0] = W
+    blen = torch.clamp(clen - 1, min=1).to(torch.int32)
+    bound = torch.where(clen >= 1, bound, torch.full_like(bound, -1))
+    src[-1] = -1  # a null row
+    plan = ops.CommitPlan(src.to(dev), clen.to(dev), final.to(dev), bound.to(dev),
+                          blen.to(dev))
+    ridx = torch.randperm(slots, generator=gen)[:batch].to(torch.int32).to(dev)
+    got = []
+    for loop in triton_kda.COMMIT_LOOPS:
+        monkeypatch.setattr(triton_kda, "COMMIT_LOOP_OVERRIDE", loop)
+        out = pool.clone()
+        ops.commit(out, corr, kg, A_log, dt_bias, plan, lower_bound=lb, record_indices=ridx,
+                   backend="triton")
+        got.append(out)
+    assert all(torch.equal(got[0], g) for g in got[1:])
+    ref = pool.double()
+    ops.commit(ref, corr.double(), kg.double(), A_log.double(), dt_bias.double(), plan,
+               lower_bound=lb, record_indices=ridx, backend="reference")
+    assert (got[0].double() - ref).abs().max() <= STATE_TOL
+    assert not torch.equal(got[0], pool)
+
+
 def test_prebuilt_tables_are_used_and_checked(env: Env):
     b, lens, pool, idx, corr, kg, accept = _run_step(env, 3, env.batches[0], -5.0,
                                                       torch.float32, seed=4)

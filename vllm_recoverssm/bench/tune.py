@@ -51,9 +51,10 @@ def _variants() -> list[tuple[str, str, dict[str, object]]]:
         out += [("verify", "triton-window/" + "x".join(map(str, tile)), over)]
     out += [("verify", "triton-serial", {"VERIFY_KERNEL_OVERRIDE": "serial"})]
     for ctile in COMMIT_TILES:
-        over = {"COMMIT_TILE_OVERRIDE": ctile}
-        label = "commit/" + "x".join(map(str, ctile))
-        out += [("commit_all", label, over), ("commit_2", label, over)]
+        for loop in triton_kda.COMMIT_LOOPS:
+            over = {"COMMIT_TILE_OVERRIDE": ctile, "COMMIT_LOOP_OVERRIDE": loop}
+            label = f"commit-{loop}/" + "x".join(map(str, ctile))
+            out += [("commit_all", label, over), ("commit_2", label, over)]
     return out
 
 

@@ -16,12 +16,14 @@ lanes: the chunks' products are added in registers and one reduction with one sh
 level less follows (H200: recovery verify at batch 256 from 0.442 to 0.31 ms at S=3 and
 from 0.849 to 0.64 ms at S=7 against one chunk).
 
-Commit uses a runtime token loop: rejected tokens then cost nothing (unrolling it with
-masked loads, so that all records are requested up front, on one K-chunk, measured 18-67%
-slower on an H200 at batch 256, S = 3 and 7, all or 2 tokens accepted). Every kernel
-rebuilds states with the update of :func:`.triton_math.apply_record` and normalises keys
-in float64, so commit, the
-full-state verify and the fused verify agree bit for bit whatever their tiles
+Commit has three token loops (:func:`commit_loop` picks one by batch and window): a
+runtime loop, where rejected tokens cost nothing and the other programs of an SM hide each
+record load (large batches of long windows); the same loop loading two tokens ahead (a
+batch of one, and long windows up to mid-size batches); and, for windows of up to 4
+tokens, the loop unrolled with masked loads, so that every record is requested up front
+and the few rejected tokens run as no-ops. Every kernel rebuilds states with the update of
+:func:`.triton_math.apply_record` and normalises keys in float64, so commit, the full-state
+verify and the fused verify agree bit for bit whatever their tiles and loops
 (:mod:`.triton_math` says why); each kernel therefore takes its own tile.
 """
 
@@ -205,6 +207,50 @@ def _verify_kernel(
 
 
 @triton.jit
+def _load_record(t, live, kg_ptr, kg_stride, corr_ptr, c_stride, rrow, h, kc, vv,
+                 K: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, NCOLS: tl.constexpr,
+                 V: tl.constexpr, MASKED: tl.constexpr):
+    """Token ``t``'s record (key and gate chunks, correction rows) for one commit program;
+    with ``MASKED``, zeros where not ``live`` (a scalar mask keeps the loads vectorised)."""
+    kg_row = kg_ptr + rrow * kg_stride + (h * NCOLS + t) * (2 * K)
+    c_row = corr_ptr + rrow * c_stride + (h * NCOLS + t) * V
+    if MASKED:
+        rk0 = tl.load(kg_row + kc, mask=live, other=0.0).to(tl.float32)
+        rg0 = tl.load(kg_row + K + kc, mask=live, other=0.0).to(tl.float32)
+        c = tl.load(c_row + vv, mask=live, other=0.0)
+    else:
+        rk0 = tl.load(kg_row + kc).to(tl.float32)
+        rg0 = tl.load(kg_row + K + kc).to(tl.float32)
+        c = tl.load(c_row + vv)
+    rk1, rg1 = rk0, rg0
+    if NCH == 2:
+        if MASKED:
+            rk1 = tl.load(kg_row + KC + kc, mask=live, other=0.0).to(tl.float32)
+            rg1 = tl.load(kg_row + K + KC + kc, mask=live, other=0.0).to(tl.float32)
+        else:
+            rk1 = tl.load(kg_row + KC + kc).to(tl.float32)
+            rg1 = tl.load(kg_row + K + KC + kc).to(tl.float32)
+    return rk0, rk1, rg0, rg1, c
+
+
+@triton.jit
+def _apply_token(s0, s1, t, live, rk0, rk1, rg0, rg1, c, a_coef, dtb0, dtb1, state_ptr,
+                 s_stride, tile, bslot, blen, KC: tl.constexpr, NCH: tl.constexpr,
+                 LOWER_BOUND: tl.constexpr, BOUNDED: tl.constexpr,
+                 HAS_BOUNDARY: tl.constexpr, EPS: tl.constexpr):
+    """Token ``t``'s record applied where ``live``, then the align-mode boundary state
+    stored after it."""
+    s0, s1 = _apply_chunks(s0, s1, c, rk0, rk1, rg0, rg1, live, a_coef, dtb0, dtb1,
+                           NCH, LOWER_BOUND, BOUNDED, EPS)
+    if HAS_BOUNDARY:
+        if (bslot >= 0) & (t + 1 == blen):
+            tl.store(state_ptr + bslot * s_stride + tile, s0)
+            if NCH == 2:
+                tl.store(state_ptr + bslot * s_stride + tile + KC, s1)
+    return s0, s1
+
+
+@triton.jit
 def _commit_kernel(
     state_tab, state_stride_tab, corr_tab, corr_stride_tab, kg_tab, kg_stride_tab,
     alog_ptr, dtb_ptr,
@@ -213,16 +259,17 @@ def _commit_kernel(
     NCH: tl.constexpr, NCOLS: tl.constexpr, LOWER_BOUND: tl.constexpr,
     BOUNDED: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_BOUNDARY: tl.constexpr,
     HAS_RIDX: tl.constexpr, EPS: tl.constexpr, KG_DTYPE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, LOOP: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     n = tl.program_id(1)
     lh = tl.program_id(2)
     layer = lh // H
     h = lh % H
+    # Every index and table load is issued before the first branch: with the L2 cold,
+    # each load a branch waits on costs a DRAM latency, and at small batches these
+    # chained latencies, not bytes, set the commit's time.
     src = tl.load(sidx_ptr + n).to(tl.int64)
-    if src < 0:
-        return
     clen = tl.load(clen_ptr + n)
     if HAS_FINAL:
         dst = tl.load(fidx_ptr + n).to(tl.int64)
@@ -234,19 +281,20 @@ def _commit_kernel(
     else:
         bslot = -1
         blen = 0
-    if (clen == 0) & (dst == src):
-        return
     if HAS_RIDX:
         rrow = tl.load(ridx_ptr + n).to(tl.int64)
     else:
         rrow = n.to(tl.int64)
-
     state_ptr = tl.load(state_tab + layer).to(tl.pointer_type(tl.float32))
     s_stride = tl.load(state_stride_tab + layer)
     corr_ptr = tl.load(corr_tab + layer).to(tl.pointer_type(tl.float32))
     c_stride = tl.load(corr_stride_tab + layer)
     kg_ptr = tl.load(kg_tab + layer).to(tl.pointer_type(KG_DTYPE))
     kg_stride = tl.load(kg_stride_tab + layer)
+    if src < 0:
+        return
+    if (clen == 0) & (dst == src):
+        return
     if ALIGNED:
         # Addresses from tables hide their alignment from the compiler; the wrapper
         # checked it, and these hints restore vectorised loads and stores.
@@ -270,24 +318,46 @@ def _commit_kernel(
     dtb1 = dtb0
     if NCH == 2:
         dtb1 = tl.load(dtb_ptr + (layer * H + h) * K + KC + kc)
-    # A runtime loop: rejected tokens cost nothing (the records are small, so their
-    # per-token load latency is hidden by the other programs on the SM).
-    for t in range(0, clen):
-        kg_row = kg_ptr + rrow * kg_stride + (h * NCOLS + t) * (2 * K)
-        rk0 = tl.load(kg_row + kc).to(tl.float32)
-        rg0 = tl.load(kg_row + K + kc).to(tl.float32)
-        rk1, rg1 = rk0, rg0
-        if NCH == 2:
-            rk1 = tl.load(kg_row + KC + kc).to(tl.float32)
-            rg1 = tl.load(kg_row + K + KC + kc).to(tl.float32)
-        c = tl.load(corr_ptr + rrow * c_stride + (h * NCOLS + t) * V + vv)
-        s0, s1 = _apply_chunks(s0, s1, c, rk0, rk1, rg0, rg1, True, a_coef, dtb0, dtb1,
-                               NCH, LOWER_BOUND, BOUNDED, EPS)
-        if HAS_BOUNDARY:
-            if (bslot >= 0) & (t + 1 == blen):
-                tl.store(state_ptr + bslot * s_stride + tile, s0)
-                if NCH == 2:
-                    tl.store(state_ptr + bslot * s_stride + tile + KC, s1)
+    if LOOP == 1:
+        # Unrolled with masked loads, so that every record is requested up front instead
+        # of one latency per token; a rejected token runs as a no-op (decay 1,
+        # correction 0: the same bits).
+        for t in tl.static_range(NCOLS):
+            live = t < clen
+            rk0, rk1, rg0, rg1, c = _load_record(t, live, kg_ptr, kg_stride, corr_ptr,
+                                                 c_stride, rrow, h, kc, vv, K, KC, NCH,
+                                                 NCOLS, V, True)
+            s0, s1 = _apply_token(s0, s1, t, live, rk0, rk1, rg0, rg1, c, a_coef, dtb0,
+                                  dtb1, state_ptr, s_stride, tile, bslot, blen, KC, NCH,
+                                  LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
+    elif LOOP == 2:
+        # A runtime loop whose records are loaded two tokens ahead: rejected tokens cost
+        # no compute, and a token's load latency overlaps the two before it.
+        nk0, nk1, ng0, ng1, nc = _load_record(0, 0 < clen, kg_ptr, kg_stride, corr_ptr,
+                                              c_stride, rrow, h, kc, vv, K, KC, NCH, NCOLS,
+                                              V, True)
+        mk0, mk1, mg0, mg1, mc = _load_record(1, 1 < clen, kg_ptr, kg_stride, corr_ptr,
+                                              c_stride, rrow, h, kc, vv, K, KC, NCH, NCOLS,
+                                              V, True)
+        for t in range(0, clen):
+            rk0, rk1, rg0, rg1, c = nk0, nk1, ng0, ng1, nc
+            nk0, nk1, ng0, ng1, nc = mk0, mk1, mg0, mg1, mc
+            mk0, mk1, mg0, mg1, mc = _load_record(t + 2, t + 2 < clen, kg_ptr, kg_stride,
+                                                  corr_ptr, c_stride, rrow, h, kc, vv, K,
+                                                  KC, NCH, NCOLS, V, True)
+            s0, s1 = _apply_token(s0, s1, t, True, rk0, rk1, rg0, rg1, c, a_coef, dtb0,
+                                  dtb1, state_ptr, s_stride, tile, bslot, blen, KC, NCH,
+                                  LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
+    else:
+        # A runtime loop: rejected tokens cost nothing (the records are small, so their
+        # per-token load latency is hidden by the other programs on the SM).
+        for t in range(0, clen):
+            rk0, rk1, rg0, rg1, c = _load_record(t, True, kg_ptr, kg_stride, corr_ptr,
+                                                 c_stride, rrow, h, kc, vv, K, KC, NCH,
+                                                 NCOLS, V, False)
+            s0, s1 = _apply_token(s0, s1, t, True, rk0, rk1, rg0, rg1, c, a_coef, dtb0,
+                                  dtb1, state_ptr, s_stride, tile, bslot, blen, KC, NCH,
+                                  LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
     if dst >= 0:
         tl.store(state_ptr + dst * s_stride + tile, s0)
         if NCH == 2:
@@ -304,6 +374,9 @@ WINDOW_TILE_OVERRIDE: tuple[int, int, int, int] | None = None
 """Window verify: (block_v, chunks per program, num_warps, num_stages)."""
 COMMIT_TILE_OVERRIDE: tuple[int, int, int] | None = None
 """Commit: (block_v, num_warps, K chunks of 1 or 2)."""
+COMMIT_LOOP_OVERRIDE: str | None = None
+"""Commit: one of :data:`COMMIT_LOOPS` instead of :func:`commit_loop`'s choice."""
+COMMIT_LOOPS = ("runtime", "unrolled", "prefetch")
 VERIFY_KERNEL_OVERRIDE: str | None = None
 """``"cuda"``, ``"window"`` or ``"serial"`` instead of :func:`verify_kernel`'s choice."""
 VERIFY_KERNELS = ("cuda", "window", "serial")
@@ -339,26 +412,55 @@ def window_tile(rows: int, heads: int, V: int) -> tuple[int, int, int, int]:
     return bv, max(1, min(2, V // bv)), 4, 2
 
 
-def commit_tile(rows: int, layer_heads: int, K: int, V: int) -> tuple[int, int, int]:
-    """(block_v, num_warps, K chunks) of the commit over ``rows`` requests and
-    ``layer_heads`` heads: one warp on 32 rows held as two K-chunks, or on 16 rows in one
-    chunk for the few heads of a batch of one (the fastest of 16 / 32 rows, one or two
-    chunks, one or two warps that ``python -m vllm_recoverssm.bench.tune`` timed on an
-    H200, S = 3 and 7, batch 1..256)."""
+def commit_tile(rows: int, layer_heads: int, K: int, V: int, ncols: int
+                ) -> tuple[int, int, int]:
+    """(block_v, num_warps, K chunks) of the commit over ``rows`` requests, ``layer_heads``
+    heads and windows of ``ncols`` tokens: one warp on 16 rows held as two K-chunks for few
+    programs (and, with the unrolled loop of short windows, up to a batch of 64 at H = 32),
+    on 32 rows otherwise (the fastest of 16 / 32 rows, one or two chunks, one or two warps
+    that ``python -m vllm_recoverssm.bench.tune`` timed on an H200, S = 3 and 7, batch
+    1..256, all or 2 tokens accepted)."""
     if COMMIT_TILE_OVERRIDE is not None:
         return COMMIT_TILE_OVERRIDE
-    if rows * layer_heads <= 64:
-        return min(16, V), 1, 1
+    programs = rows * layer_heads
+    if programs <= 128 or (ncols <= 4 and programs <= 2048):
+        return min(16, V), 1, (2 if K >= 32 else 1)
     return min(32, V), 1, (2 if K >= 32 else 1)
 
 
-def cuda_rows_per_warp(rows: int, heads: int) -> int:
-    """Rows per warp of the CUDA window kernel: 32 (one block per head, the faster from
-    batch 8 up on an H200 at H = 32), 16 (two blocks per head) for the few heads of a
-    batch of one (``python -m vllm_recoverssm.bench.tune``)."""
+def commit_loop(rows: int, layer_heads: int, ncols: int) -> str:
+    """The commit's token loop, one of :data:`COMMIT_LOOPS`, for ``rows`` requests,
+    ``layer_heads`` heads and windows of ``ncols`` tokens.
+
+    ``"runtime"`` loads a record per token and relies on the other programs of an SM to
+    hide its latency; ``"unrolled"`` requests every record up front and runs rejected
+    tokens as no-ops; ``"prefetch"`` is a runtime loop that loads two tokens ahead. On an
+    H200 (``python -m vllm_recoverssm.bench.tune``): at a batch of one the prefetch loop
+    was fastest; for windows of up to 4 tokens the unrolled loop (no-ops are few); for
+    longer windows the prefetch loop up to a batch of 64, and the runtime loop above,
+    where the prefetch buffers cost occupancy.
+    """
+    if COMMIT_LOOP_OVERRIDE is not None:
+        return COMMIT_LOOP_OVERRIDE
+    programs = rows * layer_heads
+    if programs <= 64:
+        return "prefetch"
+    if ncols <= 4:
+        return "unrolled"
+    return "prefetch" if programs < 4096 else "runtime"
+
+
+def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY) -> int:
+    """Rows per warp of the CUDA window kernel in ``mode``: 16 (two blocks per head) or 32
+    (one block per head). On an H200 at H = 32 (``python -m vllm_recoverssm.bench.tune
+    --variants cuda/``), 16 rows were faster for the recovery verify up to a batch of 16
+    (11% at batch 16; at 32, 2% faster for one layer but 3% slower over 34 layers in
+    ``recoverssm bench``), and for the fused and full-state verifies, whose blocks carry
+    more per-row work, only up to a batch of 4 (at batch 8, 24-32% slower)."""
     if CUDA_ROWS_OVERRIDE is not None:
         return CUDA_ROWS_OVERRIDE
-    return 16 if rows * heads <= 64 else 32
+    limit = 512 if mode == win.RECOVERY else 128
+    return 16 if rows * heads <= limit else 32
 
 
 def verify_kernel(lower_bound: float | None, ncols: int, state: torch.Tensor,
@@ -440,7 +542,7 @@ def _verify_launch(
         return cuda_window.launch(
             mode, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
             num_accepted, query_start_loc, corrections, kg, record_indices, lower_bound,
-            ncols, cuda_rows_per_warp(N, H), prev)
+            ncols, cuda_rows_per_warp(N, H, mode), prev)
     if kernel == "window":
         assert lower_bound is not None  # window_supported checked it
         return win.launch_window(
@@ -574,7 +676,8 @@ def commit_triton(
         return
     if tables is None:
         tables = CommitTables(states, corrections, kg)
-    bv, warps, nch = commit_tile(N, L * H, K, V)
+    ncols = corrections[0].shape[2]
+    bv, warps, nch = commit_tile(N, L * H, K, V, ncols)
     si = plan.state_indices
     grid = (V // bv, N, L * H)
     _commit_kernel[grid](
@@ -586,12 +689,12 @@ def commit_triton(
         plan.boundary_indices if plan.boundary_indices is not None else si,
         plan.boundary_lens if plan.boundary_lens is not None else si,
         record_indices if record_indices is not None else si,
-        H=H, K=K, V=V, BV=bv, NCH=nch, NCOLS=corrections[0].shape[2],
+        H=H, K=K, V=V, BV=bv, NCH=nch, NCOLS=ncols,
         LOWER_BOUND=float(lower_bound) if lower_bound is not None else 0.0,
         BOUNDED=lower_bound is not None,
         HAS_FINAL=plan.final_indices is not None,
         HAS_BOUNDARY=plan.boundary_indices is not None,
         HAS_RIDX=record_indices is not None,
         EPS=1e-6, KG_DTYPE=TL_DTYPES[kg[0].dtype], ALIGNED=tables.aligned,
-        num_warps=warps,
+        LOOP=COMMIT_LOOPS.index(commit_loop(N, L * H, ncols)), num_warps=warps,
     )
