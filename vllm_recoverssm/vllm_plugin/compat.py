@@ -218,6 +218,26 @@ def register_model_loader(load_format: str, loader_cls: type) -> None:
     register(load_format)(loader_cls)
 
 
+# Buffers a model's own ``load_weights`` derives from the weights it loaded (vLLM's DFlash
+# draft stacks its context K/V projections into one GEMM there). A loader that fills the
+# parameters itself must build them too, before vLLM's CPU platform may swap a linear
+# layer's weight for a packed copy and leave an empty tensor in its place.
+_WEIGHT_DERIVED_BUILDERS = ("_build_fused_kv_buffers",)
+
+
+def build_weight_derived_buffers(model: Any) -> int:
+    """Build what ``model``'s modules derive from their weights at load; returns how many
+    builders ran."""
+    ran = 0
+    for module in model.modules():
+        for name in _WEIGHT_DERIVED_BUILDERS:
+            build = getattr(type(module), name, None)
+            if callable(build):
+                build(module)
+                ran += 1
+    return ran
+
+
 def forward_attn_metadata(prefix: str) -> Any:
     """The attention metadata vLLM's forward context holds for the layer ``prefix``."""
     table = __getattr__("get_forward_context")().attn_metadata

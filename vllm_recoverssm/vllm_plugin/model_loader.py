@@ -78,8 +78,10 @@ class RandomWeightsLoader(_DummyLoader):  # type: ignore[misc]
             load_config.model_loader_extra_config = extra
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-        """Seeded random weights for every floating-point parameter."""
+        """Seeded random weights for every floating-point parameter, then what the
+        model's own weight loading would derive from them."""
         fill_random(model, self.scale, self.seed)
+        compat.build_weight_derived_buffers(model)
 
 
 _registered = False
