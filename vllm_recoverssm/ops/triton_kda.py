@@ -251,6 +251,21 @@ def _apply_token(s0, s1, t, live, rk0, rk1, rg0, rg1, c, a_coef, dtb0, dtb1, sta
 
 
 @triton.jit
+def _commit_token(s0, s1, t, live, MASKED: tl.constexpr, kg_ptr, kg_stride, corr_ptr,
+                  c_stride, rrow, h, kc, vv, a_coef, dtb0, dtb1, state_ptr, s_stride, tile,
+                  bslot, blen, K: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr,
+                  NCOLS: tl.constexpr, V: tl.constexpr, LOWER_BOUND: tl.constexpr,
+                  BOUNDED: tl.constexpr, HAS_BOUNDARY: tl.constexpr, EPS: tl.constexpr):
+    """Token ``t`` of a commit loop whose record is loaded where it is applied (the
+    unrolled and the runtime loops; the prefetching loop loads ahead instead)."""
+    rk0, rk1, rg0, rg1, c = _load_record(t, live, kg_ptr, kg_stride, corr_ptr, c_stride,
+                                         rrow, h, kc, vv, K, KC, NCH, NCOLS, V, MASKED)
+    return _apply_token(s0, s1, t, live, rk0, rk1, rg0, rg1, c, a_coef, dtb0, dtb1,
+                        state_ptr, s_stride, tile, bslot, blen, KC, NCH, LOWER_BOUND,
+                        BOUNDED, HAS_BOUNDARY, EPS)
+
+
+@triton.jit
 def _commit_kernel(
     state_tab, state_stride_tab, corr_tab, corr_stride_tab, kg_tab, kg_stride_tab,
     alog_ptr, dtb_ptr,
@@ -323,13 +338,10 @@ def _commit_kernel(
         # of one latency per token; a rejected token runs as a no-op (decay 1,
         # correction 0: the same bits).
         for t in tl.static_range(NCOLS):
-            live = t < clen
-            rk0, rk1, rg0, rg1, c = _load_record(t, live, kg_ptr, kg_stride, corr_ptr,
-                                                 c_stride, rrow, h, kc, vv, K, KC, NCH,
-                                                 NCOLS, V, True)
-            s0, s1 = _apply_token(s0, s1, t, live, rk0, rk1, rg0, rg1, c, a_coef, dtb0,
-                                  dtb1, state_ptr, s_stride, tile, bslot, blen, KC, NCH,
-                                  LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
+            s0, s1 = _commit_token(s0, s1, t, t < clen, True, kg_ptr, kg_stride, corr_ptr,
+                                   c_stride, rrow, h, kc, vv, a_coef, dtb0, dtb1, state_ptr,
+                                   s_stride, tile, bslot, blen, K, KC, NCH, NCOLS, V,
+                                   LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
     elif LOOP == 2:
         # A runtime loop whose records are loaded two tokens ahead: rejected tokens cost
         # no compute, and a token's load latency overlaps the two before it.
@@ -352,12 +364,10 @@ def _commit_kernel(
         # A runtime loop: rejected tokens cost nothing (the records are small, so their
         # per-token load latency is hidden by the other programs on the SM).
         for t in range(0, clen):
-            rk0, rk1, rg0, rg1, c = _load_record(t, True, kg_ptr, kg_stride, corr_ptr,
-                                                 c_stride, rrow, h, kc, vv, K, KC, NCH,
-                                                 NCOLS, V, False)
-            s0, s1 = _apply_token(s0, s1, t, True, rk0, rk1, rg0, rg1, c, a_coef, dtb0,
-                                  dtb1, state_ptr, s_stride, tile, bslot, blen, KC, NCH,
-                                  LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
+            s0, s1 = _commit_token(s0, s1, t, True, False, kg_ptr, kg_stride, corr_ptr,
+                                   c_stride, rrow, h, kc, vv, a_coef, dtb0, dtb1, state_ptr,
+                                   s_stride, tile, bslot, blen, K, KC, NCH, NCOLS, V,
+                                   LOWER_BOUND, BOUNDED, HAS_BOUNDARY, EPS)
     if dst >= 0:
         tl.store(state_ptr + dst * s_stride + tile, s0)
         if NCH == 2:
