@@ -68,15 +68,14 @@ demo: venv
 # without vLLM, the vLLM-marked tests on vLLM 0.32 (the CPU build), then again on vLLM 0.33;
 # each on TEST_WORKERS pytest-xdist processes. A vLLM test module stays on one worker
 # (its engines share module fixtures); each worker's engines bind to a core of their own.
-# The 0.33 pass leaves out the tests marked one_vllm (the CLI demo, one point of a
-# matrix): other tests reach every vLLM path they reach on both versions, and each costs
-# minutes of engine start-ups.
+# Engine processes are forked from a server that imported torch and vLLM once
+# (vllm_plugin/engine_fork.py), so every vLLM test runs on both versions.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: venv install-lmcache install-vllm install-b12x install-vllm033
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not gpu and not vllm" tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "vllm and not gpu" tests
-	TRITON_INTERPRET=1 $(VENV033)/bin/python -m pytest -q $(XDIST) -m "vllm and not gpu and not one_vllm" tests
+	TRITON_INTERPRET=1 $(VENV033)/bin/python -m pytest -q $(XDIST) -m "vllm and not gpu" tests
 
 # GPU tests (run on a machine with a CUDA GPU, without the interpreter).
 test-gpu:

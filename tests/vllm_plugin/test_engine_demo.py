@@ -22,7 +22,6 @@ def test_corruption_rate_reaches_the_asked_acceptance(num_spec: int) -> None:
         assert abs(share - target) < 1e-6 and 0.0 <= q <= 1.0
 
 
-@pytest.mark.one_vllm  # the disk restore on both versions: test_checkpoint_connector
 def test_demo_engine_vllm_serves_both_modes_and_restores_wave_two_from_disk(
     tmp_path: Path,
 ) -> None:

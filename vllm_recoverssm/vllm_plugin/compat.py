@@ -238,6 +238,23 @@ def build_weight_derived_buffers(model: Any) -> int:
     return ran
 
 
+ENGINE_PRELOAD = (
+    "vllm_recoverssm.vllm_plugin.run_engine",
+    "vllm_recoverssm.vllm_plugin.models",
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.layers.linear",
+    "vllm.v1.spec_decode.eagle",
+    "vllm.v1.sample.sampler",
+)
+"""Modules an engine process imports before it builds an engine, that the fork server of
+:mod:`.engine_fork` imports once (one that a vLLM version lacks is skipped)."""
+
+
 def forward_attn_metadata(prefix: str) -> Any:
     """The attention metadata vLLM's forward context holds for the layer ``prefix``."""
     table = __getattr__("get_forward_context")().attn_metadata

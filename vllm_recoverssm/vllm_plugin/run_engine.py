@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import engine_fork
+
 MODULE = "vllm_recoverssm.vllm_plugin.run_engine"
 
 
@@ -349,19 +351,25 @@ def _wave_report(prompts: list[list[int]], outs: list[Any], seconds: float,
 
 def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
                       env: dict[str, str] | None = None) -> EngineReport:
-    """Run ``spec`` in a fresh Python process; raises ``RuntimeError`` with its log tail."""
+    """Run ``spec`` in a process of its own (a fork of :mod:`.engine_fork`'s server where
+    that applies, else a fresh ``python -m``); raises ``RuntimeError`` with its log tail."""
     workdir.mkdir(parents=True, exist_ok=True)
     stem = f"run-{time.monotonic_ns()}"
     spec_path, report_path = workdir / f"{stem}.json", workdir / f"{stem}.report.json"
     spec_path.write_text(spec.model_dump_json())
-    proc = subprocess.run(
-        [sys.executable, "-m", MODULE, str(spec_path), str(report_path)],
-        env=engine_environment(env), capture_output=True, text=True, timeout=timeout,
-    )
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 or not report_path.exists():
+    full_env = engine_environment(env)
+    argv = [str(spec_path), str(report_path)]
+    log_path = workdir / f"{stem}.log"
+    forked = engine_fork.run_engine_process(argv, full_env, log_path, timeout)
+    if forked is not None:
+        code, log = forked, log_path.read_text(errors="replace")
+    else:
+        proc = subprocess.run([sys.executable, "-m", MODULE, *argv], env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+        code, log = proc.returncode, proc.stdout + proc.stderr
+    if code != 0 or not report_path.exists():
         tail = "\n".join(log.splitlines()[-40:])
-        raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"engine run failed (exit {code}):\n{tail}")
     report = EngineReport.model_validate_json(report_path.read_text())
     report.decision = decision_lines(log)
     report.commit_lines = [line[line.find(COMMIT_MARK):] for line in log.splitlines()
