@@ -239,8 +239,6 @@ def build_weight_derived_buffers(model: Any) -> int:
 
 
 ENGINE_PRELOAD = (
-    "vllm_recoverssm.vllm_plugin.run_engine",
-    "vllm_recoverssm.vllm_plugin.models",
     "vllm.entrypoints.llm",
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
@@ -251,8 +249,8 @@ ENGINE_PRELOAD = (
     "vllm.v1.spec_decode.eagle",
     "vllm.v1.sample.sampler",
 )
-"""Modules an engine process imports before it builds an engine, that the fork server of
-:mod:`.engine_fork` imports once (one that a vLLM version lacks is skipped)."""
+"""vLLM's modules an engine process imports before it builds an engine, that the fork
+server of :mod:`.engine_fork` imports once (one that a vLLM version lacks is skipped)."""
 
 
 def forward_attn_metadata(prefix: str) -> Any:

@@ -5,7 +5,7 @@ of its own: vLLM's CPU platform holds one engine per process. Started with ``pyt
 such a process spends most of its start-up importing torch and vLLM, then more in the full
 garbage collections vLLM asks for while it sizes memory, each of which walks every object
 those imports made. Here one server process imports them once
-(:data:`.compat.ENGINE_PRELOAD`) and forks an engine process per request. The fork
+(:data:`PRELOAD`, :data:`.compat.ENGINE_PRELOAD`) and forks an engine process per request. The fork
 freezes the inherited objects out of the collector's reach, takes the request's
 environment and working directory, and writes its stdout and stderr to a log file. The
 server is single-threaded and never builds an engine, so each fork starts from the state
@@ -42,6 +42,9 @@ IMPORT_TIME_ENV = ("PYTHONPATH", "TRITON_INTERPRET", "VLLM_CONFIGURE_LOGGING",
 """Variables read once, at import (or interpreter start): the server's values hold in
 every fork, so a request must agree with them."""
 MODULE = "vllm_recoverssm.vllm_plugin.engine_fork"
+PRELOAD = ("vllm_recoverssm.vllm_plugin.run_engine", "vllm_recoverssm.vllm_plugin.models")
+"""This package's modules the server imports, besides vLLM's (:data:`.compat.ENGINE_PRELOAD`)."""
+_NOT_FORKED = -(1 << 30)
 
 
 class _Client:
@@ -73,38 +76,46 @@ class _Client:
         with self.lock:  # the server is gone: nothing in flight will answer
             self.alive = False
             for rid, event in self.events.items():
-                self.codes.setdefault(rid, -1)
+                # a request it forked: that fork's fate is unknown; one it did not fork:
+                # none (the caller starts a fresh process, which shows the real error)
+                self.codes.setdefault(rid, -1 if rid in self.pids else _NOT_FORKED)
                 event.set()
 
     def run(self, argv: list[str], env: dict[str, str], log_path: Path,
-            timeout: float) -> int:
+            timeout: float) -> int | None:
         with self.lock:
             if not self.alive:
-                raise RuntimeError("the engine fork server exited")
+                return None
             rid = self.next_id
             self.next_id += 1
             event = self.events[rid] = threading.Event()
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps({"id": rid, "argv": argv, "env": env,
-                                              "log": str(log_path),
-                                              "cwd": os.getcwd()}) + "\n")
-            self.proc.stdin.flush()
-        if not event.wait(timeout):
+            try:
+                self.proc.stdin.write(json.dumps({"id": rid, "argv": argv, "env": env,
+                                                  "log": str(log_path),
+                                                  "cwd": os.getcwd()}) + "\n")
+                self.proc.stdin.flush()
+            except OSError:  # the server exited since the last answer
+                self.alive = False
+                del self.events[rid]
+                return None
+        try:
+            if not event.wait(timeout):
+                with self.lock:
+                    pid = self.pids.get(rid)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                if not event.wait(60):
+                    raise RuntimeError(f"engine fork {argv}: still running after SIGKILL")
+                raise subprocess.TimeoutExpired(f"engine fork {argv}", timeout)
             with self.lock:
-                pid = self.pids.get(rid)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-            if not event.wait(60):
-                raise RuntimeError(f"engine fork {argv}: still running after SIGKILL")
+                code = self.codes[rid]
+            return None if code == _NOT_FORKED else code
+        finally:
             with self.lock:
                 del self.events[rid]
                 self.codes.pop(rid, None)
                 self.pids.pop(rid, None)
-            raise subprocess.TimeoutExpired(f"engine fork {argv}", timeout)
-        with self.lock:
-            del self.events[rid]
-            self.pids.pop(rid, None)
-            return self.codes.pop(rid)
 
 
 _lock = threading.Lock()
@@ -130,7 +141,8 @@ def run_engine_process(argv: list[str], env: dict[str, str], log_path: Path,
                        timeout: float) -> int | None:
     """Run ``run_engine.main(argv)`` in a fork of the server with environment ``env`` and
     its stdout and stderr in ``log_path``; returns its exit code, or None where no fork
-    applies (the caller then starts a fresh process).
+    applies or the server exited before forking it (the caller then starts a fresh
+    process).
 
     Raises ``subprocess.TimeoutExpired`` (after killing the fork) past ``timeout`` seconds.
     """
@@ -216,4 +228,4 @@ def serve(preload: tuple[str, ...]) -> None:
 if __name__ == "__main__":
     from .compat import ENGINE_PRELOAD
 
-    serve(ENGINE_PRELOAD)
+    serve(PRELOAD + ENGINE_PRELOAD)

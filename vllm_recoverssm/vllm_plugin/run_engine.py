@@ -362,7 +362,8 @@ def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
     log_path = workdir / f"{stem}.log"
     forked = engine_fork.run_engine_process(argv, full_env, log_path, timeout)
     if forked is not None:
-        code, log = forked, log_path.read_text(errors="replace")
+        code = forked
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
     else:
         proc = subprocess.run([sys.executable, "-m", MODULE, *argv], env=full_env,
                               capture_output=True, text=True, timeout=timeout)
