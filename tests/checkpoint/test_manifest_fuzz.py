@@ -94,6 +94,8 @@ def mutated_bodies(draw: st.DrawFn) -> dict[str, Any]:
             parent[last]  # noqa: B018 - the path may be gone after an earlier mutation
         except (KeyError, IndexError, TypeError):
             continue
+        if not isinstance(parent, dict | list):  # an earlier mutation made it a string
+            continue
         if target in ("dim", "int"):
             parent[last] = draw(edge_ints)
             continue
