@@ -51,7 +51,7 @@ def test_mtp_drafter(capsys: pytest.CaptureFixture[str]) -> None:
     ("flag", "value", "message"),
     [("--num-spec", "8", "num-spec"), ("--acceptance", "1.5", "acceptance"),
      ("--requests", "0", "requests"), ("--threads", "0", "threads"),
-     ("--checkpoint-dir", "ckpt", "checkpoint-dir")],
+     ("--checkpoint-dir", "ckpt", "checkpoint-dir"), ("--dtype", "int8", "dtype")],
 )
 def test_bad_arguments_are_one_line_errors(
     capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
@@ -59,6 +59,22 @@ def test_bad_arguments_are_one_line_errors(
     assert main([*SMALL, flag, value, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_dtype_sets_the_model_activations(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--dtype", "bfloat16", "--json", "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["dtype"] == "bfloat16"  # the test preset's own is float32
+    assert report["outputs_identical"] is True and report["ok"] is True
+    rec, full = report["modes"]["recovery"], report["modes"]["full_state"]
+    assert rec["state_bytes_per_request"] == rec["planner_state_bytes_per_request"]
+    assert rec["state_bytes_per_request"] < full["state_bytes_per_request"]
+
+
+def test_dtype_is_refused_for_the_vllm_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--engine", "vllm", "--dtype", "float32", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "reference" in err and err.count("\n") == 1
 
 
 def test_prefix_caching_second_wave_hits(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,7 @@ from vllm_recoverssm.reference.demo import (
     DemoReport,
     run_demo,
 )
+from vllm_recoverssm.reference.model_config import DTYPES
 
 BAR_WIDTH = 30
 MAX_REQUESTS = 256
@@ -56,6 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--model", choices=("auto", *MODEL_PRESETS), default="auto",
                    help="model size preset (default: gpu on a GPU, else cpu; glm-tp2: "
                    "GLM-5.3's 32 KDA heads x 128 per GPU at TP2, 12 KDA + 4 attention layers)")
+    p.add_argument("--dtype", choices=("auto", *sorted(DTYPES)), default="auto",
+                   help="activation dtype of the reference engine's model (default: the "
+                        "preset's, bfloat16 on a GPU); the recurrent state is FP32 either "
+                        "way. In bfloat16 the oracle's greedy reference and the speculative "
+                        "path round differently, so its drafts stop matching early")
     p.add_argument("--requests", type=Int(1, MAX_REQUESTS), default=None,
                    help=f"prompts in the batch, 1..{MAX_REQUESTS} (default: 8 on CPU, 16 on GPU)")
     p.add_argument("--max-new-tokens", type=Int(1, MAX_NEW_TOKENS), default=None,
@@ -237,6 +243,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     """``--engine vllm``: the plugin inside vLLM's engine, recovery against full states."""
     import importlib.util
 
+    if args.dtype != "auto":
+        raise flag_error("--dtype", "applies to --engine reference only (the vLLM engine "
+                         f"demo's model runs in bfloat16), got {args.dtype!r}")
     if importlib.util.find_spec("vllm") is None:
         raise flag_error("--engine", "vllm needs the vLLM package, which is not installed "
                          "here (make install-vllm installs its CPU build)")
@@ -279,7 +288,7 @@ def validate(args: argparse.Namespace) -> DemoOptions:
     check_checkpoint_dir(args)
     try:
         return DemoOptions(
-            device=args.device, model=args.model, num_requests=args.requests,
+            device=args.device, model=args.model, dtype=args.dtype, num_requests=args.requests,
             max_new_tokens=args.max_new_tokens, num_spec=args.num_spec, drafter=args.drafter,
             acceptance=args.acceptance, prefix_caching=args.prefix_caching,
             cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,

@@ -29,7 +29,14 @@ from .demo_checkpoint import (
 from .drafters import Drafter, MTPDrafter, OracleDrafter, corruption_for_acceptance
 from .greedy import greedy_continuations
 from .model import HybridModel, build_model
-from .model_config import CPU_MODEL, GLM_TP2_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
+from .model_config import (
+    CPU_MODEL,
+    DTYPES,
+    GLM_TP2_MODEL,
+    GPU_MODEL,
+    TEST_MODEL,
+    ModelConfig,
+)
 from .runtime import SpecRuntime
 from .runtime_config import RuntimeConfig
 from .step_inputs import FULL_STATE, MODES, RECOVERY
@@ -49,6 +56,8 @@ class DemoOptions:
 
     device: str = "auto"
     model: str = "auto"
+    dtype: str = "auto"
+    """Activation dtype; ``auto`` keeps the model preset's (bfloat16 on a GPU)."""
     num_requests: int | None = None
     max_new_tokens: int | None = None
     num_spec: int = 3
@@ -70,6 +79,11 @@ class DemoOptions:
             raise ValueError(
                 f"argument '--model': expected auto or one of {sorted(MODEL_PRESETS)}, got "
                 f"{self.model!r}"
+            )
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(
+                f"argument '--dtype': expected auto or one of {sorted(DTYPES)}, got "
+                f"{self.dtype!r}"
             )
         if self.drafter not in DRAFTERS:
             raise ValueError(f"argument '--drafter': expected one of {DRAFTERS}, got "
@@ -200,6 +214,8 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     on_gpu = device.type == "cuda"
     preset = options.model if options.model != "auto" else ("gpu" if on_gpu else "cpu")
     config = MODEL_PRESETS[preset]
+    if options.dtype != "auto":
+        config = config.with_dtype(options.dtype)
     num_requests = options.num_requests or (16 if on_gpu else 8)
     max_new = options.max_new_tokens or (64 if on_gpu else 32)
     S = options.num_spec
