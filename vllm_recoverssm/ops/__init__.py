@@ -10,18 +10,18 @@ from .api import (
     commit,
     commit_tables,
     conv_compact,
+    conv_prefill,
     conv_update,
+    prefill,
     verify_full,
     verify_fused,
     verify_recovery,
 )
 from .reference import (
     capture_boundary,
-    conv_prefill,
     kda_gate,
     kda_step,
     l2_normalize,
-    prefill,
 )
 
 NULL_SLOT = -1

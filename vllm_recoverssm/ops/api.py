@@ -30,6 +30,10 @@ from .validation import (
 
 BACKENDS = ("auto", "triton", "reference")
 
+CONV_PREFILL_MAX_WIDTH = 4
+"""Widest conv the Triton prefill kernel holds in registers (GLM-5.3, Kimi and Qwen3-Next
+use 4)."""
+
 if TYPE_CHECKING:
     from .triton_kda import CommitTables
 
@@ -470,6 +474,95 @@ def commit(
             lb, record_indices=record_indices, final_indices=plan.final_indices,
             boundary_indices=plan.boundary_indices, boundary_lens=plan.boundary_lens,
         )
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    lower_bound: float | None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Sequential KDA over whole prompt rows, continuing from (and writing back) each slot.
+
+    Row ``i`` (tokens ``query_start_loc[i]:query_start_loc[i+1]``, any length) starts from
+    ``state[state_indices[i]]`` and leaves its final state there; a null slot reads and
+    writes nothing and gets zero outputs. Returns ``[T, H, V]`` in ``out_dtype`` (default:
+    the state's dtype). The Triton kernel serves FP32 states; FP64 runs the reference.
+    """
+    if validate:
+        T, H, K, V = check_token_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state)
+        N = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES,
+                         device=state.device, contiguous=True).shape
+        if len(N) != 1:
+            raise ValueError(f"argument 'state_indices': expected shape [N], got {list(N)}")
+        check_index_range("state_indices", state_indices, state.shape[0], True)
+        check_query_start_loc(query_start_loc, N[0], T, max(T, 1), state.device)
+    lb = _lower_bound(lower_bound)
+    dtype = state.dtype if out_dtype is None else out_dtype
+    triton_ok = state.dtype == torch.float32 or backend == "triton"
+    if triton_ok and _use_triton(backend, state.device):
+        from .triton_kda import _check_head_dims, _check_kernel_dtypes
+        from .triton_prefill import prefill_triton
+
+        _check_kernel_dtypes(state)
+        _check_head_dims(state.shape[3], state.shape[2])
+        return prefill_triton(q, k, v, raw_g, raw_beta, A_log, dt_bias, state,
+                              state_indices, query_start_loc, lb, dtype)
+    return ref.prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
+                       query_start_loc, lb, out_dtype=dtype)
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Causal depthwise conv over whole prompt rows; see :func:`reference.conv_prefill`.
+
+    Offset 0 of each slot's window holds the history before the row and, afterwards, the
+    last ``Kc - 1`` inputs. The Triton kernel holds convs up to width 4 in registers;
+    wider ones, and float64 inputs, run the reference.
+    """
+    if validate:
+        _check_conv(x, conv_state, weight, bias, activation)
+        N = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES,
+                         device=x.device, contiguous=True).shape
+        if len(N) != 1:
+            raise ValueError(f"argument 'state_indices': expected shape [N], got {list(N)}")
+        check_index_range("state_indices", state_indices, conv_state.shape[0], True)
+        check_query_start_loc(query_start_loc, N[0], x.shape[0], max(x.shape[0], 1), x.device)
+    fits = weight.shape[1] <= CONV_PREFILL_MAX_WIDTH and x.dtype != torch.float64
+    if (fits or backend == "triton") and _use_triton(backend, x.device):
+        from .triton_prefill import conv_prefill_triton
+
+        if not fits:
+            raise ValueError(
+                f"argument 'weight': the Triton conv prefill takes widths up to "
+                f"{CONV_PREFILL_MAX_WIDTH} and no float64, got width {weight.shape[1]} and "
+                f"{x.dtype}; use backend='reference'"
+            )
+        return conv_prefill_triton(x, conv_state, weight, bias, state_indices,
+                                   query_start_loc, activation)
+    return ref.conv_prefill(x, conv_state, weight, bias, state_indices, query_start_loc,
+                            activation=activation)
 
 
 def conv_update(

@@ -65,7 +65,7 @@ def _clone_inputs(inputs: StepInputs) -> StepInputs:
 class DecodeGraph:
     """One captured decode forward pass for a fixed number of rows.
 
-    Construction runs the step eagerly (with validation, which also warms up the kernels)
+    Construction runs the step eagerly (which also compiles and warms up the kernels)
     and then records it; :meth:`replay` returns the hidden states of later steps.
     """
 

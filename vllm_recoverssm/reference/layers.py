@@ -208,6 +208,7 @@ class KDAMixer(nn.Module):
             parts.append(ops.conv_prefill(
                 qkv[Td:].contiguous(), pools.conv, self.conv_weight, None,
                 lin.prefill_state_indices, lin.prefill_query_start_loc, activation="silu",
+                backend=backend, validate=validate,
             ))
         mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
         q, k, v = (t.reshape(T, H, D).contiguous() for t in mixed.chunk(3, dim=-1))
@@ -245,7 +246,7 @@ class KDAMixer(nn.Module):
             outs.append(ops.prefill(
                 q[Td:], k[Td:], v[Td:], raw_g[Td:], raw_beta[Td:], A_log, dt_bias,
                 pools.state, lin.prefill_state_indices, lin.prefill_query_start_loc,
-                self.lower_bound, out_dtype=x.dtype,
+                self.lower_bound, out_dtype=x.dtype, backend=backend, validate=validate,
             ))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         gate = torch.sigmoid(self.g_proj(x).view(T, H, D).float())

@@ -51,6 +51,7 @@ def build_step_inputs(
     device: torch.device,
     backend: str = "auto",
     fused_rows: int | None = None,
+    validate: bool = True,
 ) -> StepInputs:
     """Decode rows first (padded with null rows up to ``num_decode_rows``), then prefill rows.
 
@@ -59,7 +60,7 @@ def build_step_inputs(
     ``pages_per_request`` wide so that every step of a run has the same attention shapes.
     With ``fused_rows`` (recovery, fused commit) decode row ``i`` writes its records to
     scratch row ``fused_rows + i`` and first commits its request's ``pending`` tokens from
-    row ``pending_row``.
+    row ``pending_row``. ``validate`` is handed to the ops (see :class:`StepInputs`).
     """
     W, B = num_spec + 1, block_size
     tokens: list[int] = []
@@ -133,4 +134,4 @@ def build_step_inputs(
         block_tables=t(tables, torch.int64),
     )
     return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear,
-                      backend=backend)
+                      backend=backend, validate=validate)

@@ -77,17 +77,18 @@ def prompt_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
         for row in tapped:
             history[row] = conv[int(idx[row]), :, :hist_len].clone()
         x = ops.conv_prefill(qkv.contiguous(), conv, layer.merged_conv_weight(),
-                             layer.q_conv1d.bias, idx, qsl, activation="silu")
+                             layer.q_conv1d.bias, idx, qsl, activation="silu",
+                             validate=False)
     q, k, v = _split_heads(layer, x)
     g, beta = _gate_inputs(layer, raw_g, raw_beta)
     a_log, dt_bias = _gate_params(layer)
     if not tapped:
         return ops.prefill(q, k, v, g, beta, a_log, dt_bias, state, slots, qsl,
-                           layer.kda_lower_bound, out_dtype=qkv.dtype)
+                           layer.kda_lower_bound, out_dtype=qkv.dtype, validate=False)
     untapped = slots.clone()
     untapped[list(tapped)] = -1  # null rows: computed below, segment by segment
     out = ops.prefill(q, k, v, g, beta, a_log, dt_bias, state, untapped, qsl,
-                      layer.kda_lower_bound, out_dtype=qkv.dtype)
+                      layer.kda_lower_bound, out_dtype=qkv.dtype, validate=False)
     bounds = qsl.tolist()
     for row, row_taps in tapped.items():
         start, end = bounds[row], bounds[row + 1]
@@ -131,7 +132,7 @@ def _prefill_segment(layer: Any, out: torch.Tensor, q: torch.Tensor, k: torch.Te
     qsl = torch.tensor([0, end - start], dtype=torch.int32, device=state.device)
     out[piece] = ops.prefill(q[piece], k[piece], v[piece], g[piece], beta[piece], a_log,
                              dt_bias, state, one, qsl, layer.kda_lower_bound,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, validate=False)
 
 
 def full_state_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
