@@ -476,6 +476,16 @@ def commit(
         )
 
 
+def _check_slot_indices(state_indices: torch.Tensor, slots: int, device: torch.device) -> int:
+    """``state_indices`` is ``[N]`` with values in ``[0, slots)`` or null; returns N."""
+    shape = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES, device=device,
+                         contiguous=True).shape
+    if len(shape) != 1:
+        raise ValueError(f"argument 'state_indices': expected shape [N], got {list(shape)}")
+    check_index_range("state_indices", state_indices, slots, True)
+    return int(shape[0])
+
+
 def prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -502,12 +512,8 @@ def prefill(
     """
     if validate:
         T, H, K, V = check_token_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state)
-        N = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES,
-                         device=state.device, contiguous=True).shape
-        if len(N) != 1:
-            raise ValueError(f"argument 'state_indices': expected shape [N], got {list(N)}")
-        check_index_range("state_indices", state_indices, state.shape[0], True)
-        check_query_start_loc(query_start_loc, N[0], T, max(T, 1), state.device)
+        N = _check_slot_indices(state_indices, state.shape[0], state.device)
+        check_query_start_loc(query_start_loc, N, T, max(T, 1), state.device)
     lb = _lower_bound(lower_bound)
     dtype = state.dtype if out_dtype is None else out_dtype
     triton_ok = state.dtype == torch.float32 or backend == "triton"
@@ -543,12 +549,8 @@ def conv_prefill(
     """
     if validate:
         _check_conv(x, conv_state, weight, bias, activation)
-        N = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES,
-                         device=x.device, contiguous=True).shape
-        if len(N) != 1:
-            raise ValueError(f"argument 'state_indices': expected shape [N], got {list(N)}")
-        check_index_range("state_indices", state_indices, conv_state.shape[0], True)
-        check_query_start_loc(query_start_loc, N[0], x.shape[0], max(x.shape[0], 1), x.device)
+        N = _check_slot_indices(state_indices, conv_state.shape[0], x.device)
+        check_query_start_loc(query_start_loc, N, x.shape[0], max(x.shape[0], 1), x.device)
     fits = weight.shape[1] <= CONV_PREFILL_MAX_WIDTH and x.dtype != torch.float64
     if (fits or backend == "triton") and _use_triton(backend, x.device):
         from .triton_prefill import conv_prefill_triton
@@ -582,21 +584,15 @@ def conv_update(
     if validate:
         _check_conv(x, conv_state, weight, bias, activation)
         dev = x.device
-        N = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES, device=dev,
-                         contiguous=True).shape
-        if len(N) != 1:
-            raise ValueError(
-                f"argument 'state_indices': expected shape [N], got {list(N)}"
-            )
-        check_index_range("state_indices", state_indices, conv_state.shape[0], True)
+        N = _check_slot_indices(state_indices, conv_state.shape[0], dev)
         Kc = weight.shape[1]
         max_len = conv_state.shape[2] - (Kc - 1) + 1
         check_num_spec("conv_state", max_len)
-        check_query_start_loc(query_start_loc, N[0], x.shape[0], max_len, dev)
+        check_query_start_loc(query_start_loc, N, x.shape[0], max_len, dev)
         if conv_offsets is not None:
-            check_tensor("conv_offsets", conv_offsets, dtypes=INDEX_DTYPES, shape=[N[0]],
+            check_tensor("conv_offsets", conv_offsets, dtypes=INDEX_DTYPES, shape=[N],
                          device=dev, contiguous=True)
-            if N[0] and (int(conv_offsets.min()) < 0 or int(conv_offsets.max()) > max_len - 1):
+            if N and (int(conv_offsets.min()) < 0 or int(conv_offsets.max()) > max_len - 1):
                 raise ValueError(
                     f"argument 'conv_offsets': expected values in 0..{max_len - 1}, got "
                     f"{conv_offsets.tolist()}"
