@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllm_recoverssm.cli.main import main
+from vllm_recoverssm.reference.demo import ModeReport
 
 SMALL = ["demo", "--device", "cpu", "--model", "test", "--requests", "3",
          "--max-new-tokens", "6"]
@@ -40,6 +41,48 @@ def test_text_report_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"demo: {phase}" in err  # progress lines (stderr is not a terminal here)
 
 
+def test_repeated_runs_report_medians(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--repeat", "3", "--max-prefill-tokens", "16", "--json",
+                 "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["repeat"] == 3 and report["max_prefill_tokens"] == 16
+    assert report["outputs_identical"] is True  # every run, in both modes
+    for m in report["modes"].values():
+        runs = m["decode_runs"]
+        assert len(runs) == 3 and len(m["run_seconds"]) == 3
+        assert m["decode_tokens_per_second"] == sorted(runs)[1]
+        assert m["tokens_per_second"] == pytest.approx(
+            m["generated_tokens"] / sorted(m["run_seconds"])[1])
+    assert main([*SMALL, "--repeat", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "2 timed runs per mode in alternating order" in out
+    assert "recovery / full state per run:" in out
+
+
+def test_repeated_runs_fold_into_medians() -> None:
+    def one_run(decode: float, seconds: float) -> ModeReport:
+        return ModeReport(
+            mode="recovery", seconds=seconds, generated_tokens=100,
+            tokens_per_second=100 / seconds, decode_tokens_per_second=decode, steps=5,
+            acceptance_rate=0.5, accept_histogram=[1, 1], state_bytes_per_request=1,
+            planner_state_bytes_per_request=1, state_pool_bytes=1, prefix_cache_hits=0,
+            prefix_cache_hit_tokens=0, graph_steps=0, decode_runs=[decode],
+            run_seconds=[seconds])
+
+    report = one_run(300.0, 4.0)
+    report.add_run(one_run(100.0, 1.0))
+    report.add_run(one_run(200.0, 2.0))
+    assert report.decode_runs == [300.0, 100.0, 200.0]
+    assert report.decode_tokens_per_second == 200.0
+    assert report.seconds == 2.0 and report.tokens_per_second == 50.0
+
+
+def test_repeat_is_refused_with_checkpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--repeat", "2", "--checkpoint", "ram", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--repeat" in err and "--checkpoint" in err and err.count("\n") == 1
+
+
 def test_mtp_drafter(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, "--drafter", "mtp", "--json", "--no-progress"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -51,7 +94,8 @@ def test_mtp_drafter(capsys: pytest.CaptureFixture[str]) -> None:
     ("flag", "value", "message"),
     [("--num-spec", "8", "num-spec"), ("--acceptance", "1.5", "acceptance"),
      ("--requests", "0", "requests"), ("--threads", "0", "threads"),
-     ("--checkpoint-dir", "ckpt", "checkpoint-dir"), ("--dtype", "int8", "dtype")],
+     ("--checkpoint-dir", "ckpt", "checkpoint-dir"), ("--dtype", "int8", "dtype"),
+     ("--repeat", "0", "repeat"), ("--max-prefill-tokens", "0", "max-prefill-tokens")],
 )
 def test_bad_arguments_are_one_line_errors(
     capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str

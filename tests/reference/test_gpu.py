@@ -109,3 +109,6 @@ def test_cuda_graph_replay_matches_eager(
     graph, graph_rt = run(gpu_model, gpu_prompts, drafter, cuda_graph=True, **common)  # type: ignore[arg-type]
     assert graph == eager
     assert graph_rt.stats.graph_steps > 0 and eager_rt.stats.graph_steps == 0
+    # the tail, with fewer requests left, replays graphs captured for fewer rows
+    assert graph_rt.stats.graph_captures >= 2
+    assert graph_rt.stats.graph_steps > graph_rt.stats.graph_captures

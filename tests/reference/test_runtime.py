@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from vllm_recoverssm import ops
 from vllm_recoverssm.reference import (
     FULL_STATE,
     MODES,
     RECOVERY,
     HybridModel,
+    Request,
     RuntimeConfig,
     SpecRuntime,
+    capture_linear,
 )
+from vllm_recoverssm.reference.step_inputs import StepInputs
 
 from .helpers import MAX_MODEL_LEN, MAX_NEW, make_prompts, oracle, run
 
@@ -141,3 +146,83 @@ def test_cuda_graph_needs_a_gpu(tiny_model: HybridModel, prompts: list[list[int]
     with pytest.raises(ValueError, match="CUDA"):
         run(tiny_model, prompts[:1], oracle(tiny_model, prompts[:1], [[0] * 20], 0.0),
             mode=RECOVERY, num_spec=1, cuda_graph=True)
+
+
+def test_graph_sizes_pad_to_the_smallest_that_holds_the_rows() -> None:
+    cfg = RuntimeConfig(max_running=12, cuda_graph=True)
+    assert cfg.graph_sizes == (1, 2, 4, 8, 12)
+    assert [cfg.graph_rows(n) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+    assert RuntimeConfig(max_running=1).graph_sizes == (1,)
+    assert RuntimeConfig(max_running=8).graph_sizes == (1, 2, 4, 8)
+    for bad in (0, 13):
+        with pytest.raises(ValueError, match="num_rows"):
+            cfg.graph_rows(bad)
+
+
+def test_padded_tail_steps_shrink_with_the_batch(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]]
+) -> None:
+    """Eager padding follows the capture sizes: a tail step pads to the next size only."""
+    drafter = oracle(tiny_model, prompts, references, 0.3)
+    seen: list[int] = []
+    real = tiny_model.forward
+
+    def spy(inputs: StepInputs, pools: object) -> object:
+        if not inputs.linear.num_prefill_rows:
+            seen.append(inputs.linear.num_decode_rows)
+        return real(inputs, pools)  # type: ignore[arg-type]
+
+    tiny_model.forward = spy  # type: ignore[method-assign]
+    try:
+        run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3, pad_decode_rows=True,
+            max_running=6)
+    finally:
+        del tiny_model.forward
+    assert seen and set(seen) <= {1, 2, 4, 6}
+    assert min(seen) < 6  # the tail ran smaller than the full batch
+
+
+def _count_commits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = ops.commit
+
+    def counting(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "commit", counting)
+    return calls
+
+
+def test_finished_requests_are_committed_only_for_a_reader(
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the fused commit a finished request's last records are committed on their own
+    only when something reads its state at the response boundary."""
+    drafter = oracle(tiny_model, prompts, references, 0.3)
+    calls = _count_commits(monkeypatch)
+    plain, rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3)
+    assert rt.config.fused and calls == []  # every commit ran inside a verify
+    assert all(r.pending == 0 and r.pending_row == -1 for r in rt.finished)
+    states: dict[str, dict[int, list[torch.Tensor]]] = {}
+    for mode in MODES:
+        seen: dict[int, list[torch.Tensor]] = {}
+
+        def hook(runtime: SpecRuntime, req: Request, boundary: str,
+                 seen: dict[int, list[torch.Tensor]] = seen) -> None:
+            if boundary == "response":
+                seen[req.rid] = [t["state"] for t in capture_linear(runtime, req).values()]
+
+        runtime = SpecRuntime(tiny_model, RuntimeConfig(
+            mode=mode, num_spec=3, block_size=8, max_model_len=MAX_MODEL_LEN), drafter,
+            on_boundary=hook)
+        for p in prompts:
+            runtime.add_request(p, MAX_NEW)
+        assert [r.generated for r in runtime.run()] == plain
+        states[mode] = seen
+    assert len(calls) > 0  # the hook made recovery commit the finishing requests
+    assert states[RECOVERY].keys() == states[FULL_STATE].keys() == set(range(len(prompts)))
+    for rid, layers in states[RECOVERY].items():
+        for rec, full in zip(layers, states[FULL_STATE][rid], strict=True):
+            torch.testing.assert_close(rec, full, rtol=1e-5, atol=1e-5)

@@ -25,6 +25,8 @@ from vllm_recoverssm.cli.args import Directory, Float, Int, UsageError, flag_err
 from vllm_recoverssm.cli.text import MODE_TITLES, mib, table
 from vllm_recoverssm.reference.demo import (
     DRAFTERS,
+    GPU_PREFILL_TOKENS,
+    MAX_REPEAT,
     MODEL_PRESETS,
     DemoOptions,
     DemoReport,
@@ -36,6 +38,7 @@ BAR_WIDTH = 30
 MAX_REQUESTS = 256
 MAX_NEW_TOKENS = 4096
 MAX_THREADS = 256
+MAX_PREFILL_TOKENS = 65536
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -87,6 +90,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="recovery: commit after each step on its own instead of inside the "
                         "next step's verify (with --engine vllm: the plugin's "
                         "recoverssm_commit 'eager' instead of 'fused')")
+    p.add_argument("--max-prefill-tokens", type=Int(1, MAX_PREFILL_TOKENS), default=None,
+                   help="prompt tokens one step may prefill (default: 64 on CPU; on GPU "
+                        f"{GPU_PREFILL_TOKENS}, the whole batch's prompts in one step)")
+    p.add_argument("--repeat", type=Int(1, MAX_REPEAT), default=1,
+                   help=f"timed runs per mode, 1..{MAX_REPEAT}, in alternating mode order; "
+                        "tokens/s are the medians (not with --checkpoint)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on a GPU, run decode steps eagerly instead of replaying a CUDA graph")
     p.add_argument("--threads", type=Int(1, MAX_THREADS), default=1,
@@ -141,7 +150,8 @@ def format_report(report: DemoReport) -> str:
            if report.device == "cpu" else ""),
         f"  batch    {len(report.prompt_lengths)} prompts of {min(report.prompt_lengths)}.."
         f"{max(report.prompt_lengths)} tokens, {report.max_new_tokens} new tokens each, "
-        f"S = {report.num_spec} drafts per step",
+        f"S = {report.num_spec} drafts per step, up to {report.max_prefill_tokens} prompt "
+        "tokens per step",
     ]
     drafter = report.drafter
     if report.corruption is not None:
@@ -161,6 +171,19 @@ def format_report(report: DemoReport) -> str:
          for mode, m in report.modes.items()])
     rec, full = report.modes.get("recovery"), report.modes.get("full_state")
     lines.append("")
+    if report.repeat > 1:
+        lines.append(f"{report.repeat} timed runs per mode in alternating order; tokens/s are "
+                     "medians. Decode tok/s of each run:")
+        lines += [f"  {MODE_TITLES[mode]:<11} " + " ".join(f"{v:.1f}" for v in m.decode_runs)
+                  for mode, m in report.modes.items()]
+        if rec is not None and full is not None:
+            ratios = [a / b for a, b in zip(rec.decode_runs, full.decode_runs, strict=True)
+                      if b]
+            lines.append("  recovery / full state per run: "
+                         + " ".join(f"{r:.3f}" for r in ratios))
+    if rec is not None and full is not None and full.decode_tokens_per_second:
+        lines.append(f"decode tok/s recovery / full state: "
+                     f"{rec.decode_tokens_per_second / full.decode_tokens_per_second:.3f}")
     if rec is not None and full is not None and rec.state_bytes_per_request:
         ratio = full.state_bytes_per_request / rec.state_bytes_per_request
         lines.append(
@@ -295,6 +318,7 @@ def validate(args: argparse.Namespace) -> DemoOptions:
             checkpoint=args.checkpoint,
             checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
             fused_commit=not args.separate_commit,
+            max_prefill_tokens=args.max_prefill_tokens, repeat=args.repeat,
         )
     except ValueError as exc:  # the flags above are checked; this is the runtime's last word
         raise UsageError(str(exc)) from None

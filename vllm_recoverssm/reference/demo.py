@@ -10,6 +10,7 @@ LMCache and timed against a cold run (:mod:`.demo_checkpoint`).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "cpu": CPU_MODEL, "gpu": GPU_MODEL, "glm-tp2": GLM_TP2_MODEL, "test": TEST_MODEL,
 }
 DRAFTERS = ("oracle", "mtp")
+MAX_REPEAT = 25
+GPU_PREFILL_TOKENS = 4096
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(phase, done_tokens, total_tokens)``; totals cover every phase of the job."""
@@ -69,6 +72,12 @@ class DemoOptions:
     checkpoint: str | None = None
     checkpoint_dir: str | None = None
     fused_commit: bool = True
+    max_prefill_tokens: int | None = None
+    """Prompt tokens one step may prefill; default: 64 on a CPU, and on a GPU enough for
+    the whole batch's prompts in one step (4096), so that its decode steps run the whole
+    batch as one, as a serving engine's token budget lets them."""
+    repeat: int = 1
+    """Timed runs per mode, in alternating mode order; tokens/s are their medians."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -97,11 +106,20 @@ class DemoOptions:
                              f"{self.checkpoint!r}")
         if self.checkpoint_dir is not None and self.checkpoint != "disk":
             raise ValueError("argument '--checkpoint-dir': only --checkpoint disk writes files")
-        for name in ("num_requests", "max_new_tokens"):
+        for name in ("num_requests", "max_new_tokens", "max_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"argument '--{name.replace('_', '-')}': expected >= 1, got "
                                  f"{value}")
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or not (
+            1 <= self.repeat <= MAX_REPEAT
+        ):
+            raise ValueError(f"argument '--repeat': expected 1..{MAX_REPEAT}, got "
+                             f"{self.repeat!r}")
+        if self.repeat > 1 and self.checkpoint is not None:
+            # a second run would find the first run's exports and restore from them
+            raise ValueError("argument '--repeat': times plain runs; it cannot be combined "
+                             "with --checkpoint")
 
 
 @dataclass
@@ -112,8 +130,10 @@ class ModeReport:
     seconds: float
     generated_tokens: int
     tokens_per_second: float
+    """Median over the runs."""
     decode_tokens_per_second: float
-    """Tokens/s of the steps without prompt rows (verify-only steps)."""
+    """Tokens/s of the steps without prompt rows (verify-only steps); median over the
+    runs."""
     steps: int
     acceptance_rate: float
     accept_histogram: list[int]
@@ -123,6 +143,18 @@ class ModeReport:
     prefix_cache_hits: int
     prefix_cache_hit_tokens: int
     graph_steps: int
+    decode_runs: list[float] = field(default_factory=list)
+    """Decode tokens/s of each timed run, in run order."""
+    run_seconds: list[float] = field(default_factory=list)
+    """Wall time of each timed run."""
+
+    def add_run(self, other: ModeReport) -> None:
+        """Fold in a repeated run of the same mode; tokens/s become the runs' medians."""
+        self.decode_runs += other.decode_runs
+        self.run_seconds += other.run_seconds
+        self.decode_tokens_per_second = statistics.median(self.decode_runs)
+        self.seconds = statistics.median(self.run_seconds)
+        self.tokens_per_second = self.generated_tokens / self.seconds if self.seconds else 0.0
 
 
 @dataclass
@@ -141,6 +173,9 @@ class DemoReport:
     greedy_seconds: float | None = None
     matches_greedy: bool | None = None
     outputs_identical: bool = False
+    """Recovery equals full state, and every repeated run equals the first."""
+    repeat: int = 1
+    max_prefill_tokens: int = 0
     bytes_match_planner: bool = False
     wall_seconds: float = 0.0
     threads: int = 1
@@ -188,6 +223,12 @@ def demo_prompts(
             for i in order]
 
 
+def _run_order(run: int) -> tuple[str, ...]:
+    """Modes in the order timed run ``run`` runs them: alternating, so that neither mode
+    always runs first on a GPU that is still warming up."""
+    return MODES if run % 2 == 0 else MODES[::-1]
+
+
 def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
     s = runtime.stats
     pools = runtime.pools
@@ -203,7 +244,8 @@ def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
             fused=runtime.config.fused),
         state_pool_bytes=pool_bytes, prefix_cache_hits=runtime.cache.stats.hits,
         prefix_cache_hit_tokens=runtime.cache.stats.hit_tokens,
-        graph_steps=s.graph_steps,
+        graph_steps=s.graph_steps, decode_runs=[s.decode_tokens_per_second],
+        run_seconds=[s.seconds],
     )
 
 
@@ -225,6 +267,7 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     # so that the second wave can resume from blocks the first one cached.
     shared = 2 * block_size if options.prefix_caching else 0
     max_running = -(-num_requests // 2) if options.prefix_caching else num_requests
+    prefill_budget = options.max_prefill_tokens or (GPU_PREFILL_TOKENS if on_gpu else 64)
     max_model_len = shared + longest + max_new + S
     if options.checkpoint is not None:
         # room for a follow-up turn: prompt + answer + new tokens + its own answer
@@ -232,7 +275,9 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     model: HybridModel = build_model(config, device)
     prompts = demo_prompts(num_requests, config.vocab_size, options.seed, longest, shared)
     oracle = options.drafter == "oracle"
-    phases = (["greedy"] if oracle else []) + list(MODES)
+    phases = (["greedy"] if oracle else []) + [
+        f"{m} run {i + 1}" if options.repeat > 1 else m
+        for i in range(options.repeat) for m in _run_order(i)]
     if options.checkpoint is not None:
         phases += (["wave 2 greedy"] if oracle else []) + [
             f"wave 2 {m} {kind}" for m in MODES for kind in ("cold", "restored")]
@@ -242,6 +287,7 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
         num_spec=S, drafter=options.drafter, corruption=None,
         prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new,
         threads=torch.get_num_threads(), checkpoint=options.checkpoint,
+        repeat=options.repeat, max_prefill_tokens=prefill_budget,
         commit=("recovery commits inside the next step's verify (fused)"
                 if options.fused_commit and not options.prefix_caching else
                 "recovery commits after each step"),
@@ -279,51 +325,61 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     place = (CheckpointPlace(options.checkpoint, options.checkpoint_dir)
              if options.checkpoint is not None else None)
     wave2: list[list[int]] | None = None
+    identical_runs = True
     try:
-        for mode in MODES:
-            if on_gpu:
-                # Kernel compilation and graph capture happen on a mode's first steps; a
-                # short untimed run first keeps them out of the tokens/s compared below.
-                with SpecRuntime(model, RuntimeConfig(
+        for run in range(options.repeat):
+            for mode in _run_order(run):
+                if on_gpu and run == 0:
+                    # Kernel compilation and graph capture happen on a mode's first steps; a
+                    # short untimed run first keeps them out of the tokens/s compared below.
+                    with SpecRuntime(model, RuntimeConfig(
+                        mode=mode, num_spec=S, max_running=max_running,
+                        max_model_len=max_model_len, max_prefill_tokens=prefill_budget,
+                        block_size=block_size, prefix_caching=options.prefix_caching,
+                        cuda_graph=cuda_graph, fused_commit=options.fused_commit,
+                    ), drafter) as warm_up:
+                        warm_up.add_request(prompts[0], 2 * (S + 1))
+                        warm_up.run()
+                runtime = SpecRuntime(model, RuntimeConfig(
                     mode=mode, num_spec=S, max_running=max_running,
-                    max_model_len=max_model_len, block_size=block_size,
-                    prefix_caching=options.prefix_caching, cuda_graph=cuda_graph,
+                    max_model_len=max_model_len, max_prefill_tokens=prefill_budget,
+                    block_size=block_size, prefix_caching=options.prefix_caching,
+                    cuda_graph=cuda_graph,
+                    checkpoint=place.config if place is not None else None,
                     fused_commit=options.fused_commit,
-                ), drafter) as warm_up:
-                    warm_up.add_request(prompts[0], 2 * (S + 1))
-                    warm_up.run()
-            runtime = SpecRuntime(model, RuntimeConfig(
-                mode=mode, num_spec=S, max_running=max_running, max_model_len=max_model_len,
-                block_size=block_size, prefix_caching=options.prefix_caching,
-                cuda_graph=cuda_graph, checkpoint=place.config if place is not None else None,
-                fused_commit=options.fused_commit,
-            ), drafter)
-            with runtime:
-                for p in prompts:
-                    runtime.add_request(p, max_new)
-                finished = runtime.run(progress=tracker(mode))
-                outputs[mode] = [r.generated for r in finished]
-                report.modes[mode] = _mode_report(runtime, mode)
-                if place is None:
-                    continue
-                if wave2 is None:
-                    wave2 = second_wave_prompts(prompts, outputs[mode], config.vocab_size,
-                                                options.seed)
-                    if oracle_drafter is not None:
-                        wave2_progress = tracker("wave 2 greedy")
-                        refs2 = greedy_continuations(model, wave2, max_new,
-                                                     max_model_len=max_model_len,
-                                                     max_running=num_requests)
-                        wave2_progress(num_requests * max_new, total)
-                        oracle_drafter.references.update(
-                            {tuple(p): r for p, r in zip(wave2, refs2, strict=True)})
-                report.checkpoints[mode] = run_second_wave(
-                    runtime, model, drafter, wave2, max_new,
-                    tracker(f"wave 2 {mode} cold"), tracker(f"wave 2 {mode} restored"))
+                ), drafter)
+                phase = f"{mode} run {run + 1}" if options.repeat > 1 else mode
+                with runtime:
+                    for p in prompts:
+                        runtime.add_request(p, max_new)
+                    finished = runtime.run(progress=tracker(phase))
+                    generated = [r.generated for r in finished]
+                    if run == 0:
+                        outputs[mode] = generated
+                        report.modes[mode] = _mode_report(runtime, mode)
+                    else:
+                        identical_runs &= generated == outputs[mode]
+                        report.modes[mode].add_run(_mode_report(runtime, mode))
+                    if place is None:
+                        continue
+                    if wave2 is None:
+                        wave2 = second_wave_prompts(prompts, outputs[mode], config.vocab_size,
+                                                    options.seed)
+                        if oracle_drafter is not None:
+                            wave2_progress = tracker("wave 2 greedy")
+                            refs2 = greedy_continuations(model, wave2, max_new,
+                                                         max_model_len=max_model_len,
+                                                         max_running=num_requests)
+                            wave2_progress(num_requests * max_new, total)
+                            oracle_drafter.references.update(
+                                {tuple(p): r for p, r in zip(wave2, refs2, strict=True)})
+                    report.checkpoints[mode] = run_second_wave(
+                        runtime, model, drafter, wave2, max_new,
+                        tracker(f"wave 2 {mode} cold"), tracker(f"wave 2 {mode} restored"))
     finally:
         if place is not None:
             place.close()
-    report.outputs_identical = outputs[RECOVERY] == outputs[FULL_STATE]
+    report.outputs_identical = outputs[RECOVERY] == outputs[FULL_STATE] and identical_runs
     if references is not None:
         report.matches_greedy = outputs[RECOVERY] == references
     report.bytes_match_planner = all(

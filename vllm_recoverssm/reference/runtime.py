@@ -12,9 +12,10 @@ Each :meth:`SpecRuntime.step` runs one forward pass over a flat batch: the decod
   prefix caching) it only remembers them: the next step's ``ops.verify_fused`` commits
   them into the checkpoint before verifying, in the same launch, and the next conv update
   reads the history where it lies; a request that finishes (a response boundary) is
-  committed and compacted on its own first. Full-state mode only remembers ``num_accepted``:
-  the next verify starts from column ``num_accepted - 1`` and reads the conv history at
-  offset ``num_accepted - 1``;
+  committed and compacted on its own first where a checkpoint store or a boundary hook
+  reads its state (otherwise its last records are dropped with its slot). Full-state mode
+  only remembers ``num_accepted``: the next verify starts from column ``num_accepted - 1``
+  and reads the conv history at offset ``num_accepted - 1``;
 * with prefix caching (align mode, block size ``B >= S+1``) the state after every ``B``
   tokens is kept, including a boundary crossed in the middle of a speculative step
   (recovery replays only the accepted tokens up to the boundary; full state copies the
@@ -63,6 +64,16 @@ BoundaryHook = Callable[["SpecRuntime", Request, str], None]
 INDEX = torch.int32  # index dtype of the state ops
 
 
+def _matched_prefix(drafts: Sequence[int], target: Sequence[int]) -> int:
+    """How many leading drafts equal the model's argmax at their position."""
+    n = 0
+    for d, t in zip(drafts, target, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class RuntimeStats:
     """Counters of one runtime's life."""
@@ -70,6 +81,8 @@ class RuntimeStats:
     steps: int = 0
     decode_steps: int = 0
     graph_steps: int = 0
+    graph_captures: int = 0
+    """CUDA graphs captured: one per decode row count (capture size) the run reached."""
     mixed_steps: int = 0
     generated_tokens: int = 0
     proposed_drafts: int = 0
@@ -157,7 +170,8 @@ class SpecRuntime:
         self._restores: dict[int, RequestCheckpoint] = {}
         self._next_rid = 0
         self.stats = RuntimeStats(accept_histogram=[0] * (config.num_spec + 1))
-        self._graph: DecodeGraph | None = None
+        self._graphs: dict[int, DecodeGraph] = {}  # by captured decode row count
+        self._graph_pool: Any = None  # one memory pool shared by all of them
         # linear state read before the commit (negative-control runtime only), by request
         self._early_linear: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         self.checkpoints: RuntimeCheckpoints | None = None
@@ -478,8 +492,12 @@ class SpecRuntime:
             fused_rows = self._parity * self.config.max_running
         decode_rows = [self._decode_row(r) for r in decode]
         prefill_rows = [PrefillRow(r, s, e, self._prefill_slot(r, s)) for r, s, e in prefill]
-        pad = (self.config.pad_decode_rows or self.config.cuda_graph) and not prefill_rows
-        num_rows = self.config.max_running if pad else len(decode_rows)
+        pure_decode = bool(decode_rows) and not prefill_rows
+        graph = self.config.cuda_graph and pure_decode
+        if pure_decode and (graph or self.config.pad_decode_rows):
+            num_rows = self.config.graph_rows(len(decode_rows))
+        else:
+            num_rows = len(decode_rows)
         with torch.inference_mode():
             step_inputs = build_step_inputs(
                 self.mode, decode_rows, prefill_rows, num_rows, num_spec=self.num_spec,
@@ -491,9 +509,9 @@ class SpecRuntime:
                 validate=self.device.type != "cuda",
             )
             captures = False
-            if pad and self.config.cuda_graph:
-                captures = self._graph is None
-                hidden = self._graph_forward(step_inputs)
+            if graph:
+                captures = num_rows not in self._graphs
+                hidden = self._graph_forward(num_rows, step_inputs)
                 self.stats.graph_steps += 1
             else:
                 hidden = self.model(step_inputs, self.pools)
@@ -527,12 +545,15 @@ class SpecRuntime:
         self.stats.seconds += time.perf_counter() - started
         return sorted(batch, key=lambda r: r.rid)
 
-    def _graph_forward(self, step_inputs: StepInputs) -> torch.Tensor:
+    def _graph_forward(self, num_rows: int, step_inputs: StepInputs) -> torch.Tensor:
         from .cuda_graph import DecodeGraph
 
-        if self._graph is None:
-            self._graph = DecodeGraph(self, step_inputs)
-        return self._graph.replay(step_inputs)
+        graph = self._graphs.get(num_rows)
+        if graph is None:
+            graph = self._graphs[num_rows] = DecodeGraph(self, step_inputs, self._graph_pool)
+            self.stats.graph_captures += 1
+            self._graph_pool = graph.pool
+        return graph.replay(step_inputs)
 
     # ------------------------------------------------------------------ after the pass
 
@@ -544,12 +565,12 @@ class SpecRuntime:
         n = len(rows)
         h = hidden[: n * W]
         logits = self.model.logits(h)
-        target = logits.argmax(-1).view(n, W)
-        drafts = torch.tensor([d.request.drafts for d in rows], device=self.device)
-        matched = (drafts == target[:, :S]).to(torch.int32).cumprod(1).sum(1)
-        room = torch.tensor([d.request.remaining - 1 for d in rows], device=self.device)
-        accepted_drafts = torch.minimum(matched, room.to(matched.dtype))
-        num_accepted = (accepted_drafts + 1).to(INDEX)
+        # one read-back per step: acceptance runs on the host, where the drafts are
+        tgt = logits.argmax(-1).view(n, W).tolist()
+        rooms = [d.request.remaining - 1 for d in rows]
+        acc = [min(_matched_prefix(d.request.drafts, t), room)
+               for d, t, room in zip(rows, tgt, rooms, strict=True)]
+        num_accepted = [a + 1 for a in acc]
         crossed: list[tuple[Request, int]] = []
         if self.mode == RECOVERY:
             if self.config.debug_capture_before_commit:
@@ -560,16 +581,16 @@ class SpecRuntime:
                 self._commit(rows, num_accepted)
         elif self.config.prefix_caching:
             crossed = self._capture_full_state_boundaries(rows, num_accepted)
-        acc = accepted_drafts.tolist()
-        rooms = room.tolist()
-        tgt = target.tolist()
+        # the last accepted position of every row, gathered in one launch each
+        last = torch.tensor([i * W + a for i, a in enumerate(acc)], device=self.device)
+        last_hidden, last_logits = h[last], logits[last]
         for i, (row, a) in enumerate(zip(rows, acc, strict=True)):
             r = row.request
             new = [*r.drafts[:a], tgt[i][a]]
             r.tokens.extend(new)
             r.num_computed += a + 1
-            r.last_hidden = h[i * W + a].clone()
-            r.last_logits = logits[i * W + a].clone()
+            r.last_hidden = last_hidden[i]
+            r.last_logits = last_logits[i]
             r.accept_lengths.append(a)
             if self.mode == FULL_STATE:
                 r.num_accepted = a + 1
@@ -597,16 +618,14 @@ class SpecRuntime:
             if r.remaining <= self.num_spec + 1:  # may finish in this step
                 self._early_linear[r.rid] = capture_linear(self, r)
 
-    def _commit_counts(self, num_accepted: torch.Tensor) -> torch.Tensor:
+    def _commit_counts(self, num_accepted: list[int]) -> list[int]:
         shift = self.config.debug_commit_shift
-        if not shift:
-            return num_accepted
-        return (num_accepted + shift).clamp(0, self.num_spec + 1).to(INDEX)
+        return [min(max(n + shift, 0), self.num_spec + 1) for n in num_accepted]
 
-    def _defer_commit(self, rows: list[DecodeRow], num_accepted: torch.Tensor) -> None:
+    def _defer_commit(self, rows: list[DecodeRow], num_accepted: list[int]) -> None:
         """Fused commit: the accepted records wait for the next step's verify."""
         base = self._parity * self.config.max_running
-        for i, (row, n) in enumerate(zip(rows, self._commit_counts(num_accepted).tolist(),
+        for i, (row, n) in enumerate(zip(rows, self._commit_counts(num_accepted),
                                          strict=True)):
             row.request.pending = int(n)
             row.request.pending_row = base + i
@@ -642,14 +661,14 @@ class SpecRuntime:
             r.pending = 0
             r.pending_row = -1
 
-    def _commit(self, rows: list[DecodeRow], num_accepted: torch.Tensor) -> None:
+    def _commit(self, rows: list[DecodeRow], num_accepted: list[int]) -> None:
         """Recovery: replay the accepted records into the checkpoints, then compact conv."""
         S, dev = self.num_spec, self.device
         n = len(rows)
         # The runtime builds these plans itself; on a GPU the checks that read device
         # values would stall the host every step, elsewhere they keep the tests strict.
         check = dev.type != "cuda"
-        commit_counts = self._commit_counts(num_accepted)
+        commit_counts = torch.tensor(self._commit_counts(num_accepted), dtype=INDEX, device=dev)
         query_lens = torch.full((n,), S + 1, dtype=INDEX, device=dev)
         if self.config.prefix_caching:
             width = max(len(d.column_row) for d in rows)
@@ -684,16 +703,15 @@ class SpecRuntime:
             self.stats.boundaries_mid_step += int(inside.sum())
 
     def _capture_full_state_boundaries(
-        self, rows: list[DecodeRow], num_accepted: torch.Tensor
+        self, rows: list[DecodeRow], num_accepted: list[int]
     ) -> list[tuple[Request, int]]:
         """Full state, align mode: copy the column of a crossed block boundary.
 
         Returns the requests that crossed one, with the token count at the boundary.
         """
         B = self.block_size
-        na = num_accepted.tolist()
         bidx, blen, crossed = [], [], []
-        for d, a in zip(rows, na, strict=True):
+        for d, a in zip(rows, num_accepted, strict=True):
             nc = d.request.num_computed
             nxt = (nc // B + 1) * B
             if nc + a >= nxt:
@@ -820,7 +838,13 @@ class SpecRuntime:
 
     def _finish_done(self) -> None:
         done = [r for r in self.running if r.done]
-        self._flush(done)  # commit before the response-boundary capture
+        if self.checkpoints is not None or self.on_boundary is not None:
+            self._flush(done)  # commit before the response-boundary capture
+        else:
+            # nothing reads a finished request's state (its slot is released below), so its
+            # last records are dropped, as the full-state columns past the accepted one are
+            for r in done:
+                r.pending, r.pending_row = 0, -1
         for r in done:
             self._at_boundary(r, "response")
             if self.config.prefix_caching and self.mode == RECOVERY:

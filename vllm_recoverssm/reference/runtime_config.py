@@ -33,8 +33,10 @@ class RuntimeConfig:
     ``block_size`` is the KV page size and, with ``prefix_caching``, the state block size
     ``B`` (align mode, ``B >= S+1``). ``num_slots`` / ``num_pages`` default to enough for
     ``max_running`` requests plus ``max_cached_blocks`` cached blocks; smaller pools make
-    requests wait. ``cuda_graph`` replays pure decode steps from a CUDA graph;
-    ``pad_decode_rows`` pads those steps to ``max_running`` rows (the graph always does).
+    requests wait. ``cuda_graph`` replays pure decode steps from CUDA graphs, one per
+    capture size (:attr:`graph_sizes`, like vLLM's ``cudagraph_capture_sizes``): a step of
+    ``n`` rows is padded to the smallest size that holds it; ``pad_decode_rows`` pads eager
+    decode steps the same way.
     ``backend`` picks the state ops' implementation (``"auto"``: Triton kernels on CUDA
     tensors, the PyTorch reference elsewhere; ``"triton"`` on a CPU needs
     ``TRITON_INTERPRET=1``). ``checkpoint`` gives the runtime a checkpoint store (LMCache
@@ -124,6 +126,26 @@ class RuntimeConfig:
     def fused(self) -> bool:
         """Whether steps commit inside the next verify (recovery, no prefix caching)."""
         return self.mode == RECOVERY and self.fused_commit and not self.prefix_caching
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """Decode row counts the CUDA graphs are captured for: powers of two below
+        ``max_running``, then ``max_running`` itself."""
+        sizes = []
+        n = 1
+        while n < self.max_running:
+            sizes.append(n)
+            n *= 2
+        return (*sizes, self.max_running)
+
+    def graph_rows(self, num_rows: int) -> int:
+        """The capture size a decode step of ``num_rows`` rows is padded to."""
+        if not 1 <= num_rows <= self.max_running:
+            raise ValueError(
+                f"argument 'num_rows': expected 1..{self.max_running} decode rows, got "
+                f"{num_rows}"
+            )
+        return next(n for n in self.graph_sizes if n >= num_rows)
 
     @property
     def record_rows(self) -> int:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import cast
 
 import torch
 
 from .pools import NULL_PAGE
 from .request import Request
-from .step_inputs import FULL_STATE, AttentionInputs, LinearInputs, StepInputs
+from .step_inputs import FULL_STATE, PackedIndices, Slice, StepInputs, from_packed
 
 INDEX = torch.int32
 
@@ -93,9 +95,8 @@ def build_step_inputs(
     for p in prefill:
         add_row(p.request, p.request.tokens[p.start:p.end], p.start)
 
-    def t(values: list[int] | list[list[int]], dtype: torch.dtype = INDEX) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    packer = _Packer()
+    add = packer.add
     full = mode == FULL_STATE
     state_idx: list[int] | list[list[int]]
     if full:
@@ -111,27 +112,58 @@ def build_step_inputs(
         assert fused_rows is not None
         # pending counts play num_accepted's part for the conv history's read offset
         na = [max(d.request.pending, 1) for d in decode] + [1] * pad
-    linear = LinearInputs(
-        mode=mode,
-        num_decode_tokens=num_decode_rows * W,
-        decode_query_start_loc=t([i * W for i in range(num_decode_rows + 1)]),
-        decode_state_indices=t(state_idx),
-        decode_conv_indices=t([d.conv for d in decode] + [-1] * pad),
-        num_accepted=t(na) if full else None,
-        conv_offsets=t([n - 1 for n in na]) if full or fused else None,
-        prefill_query_start_loc=t([0, *accumulate(p.end - p.start for p in prefill)]),
-        prefill_state_indices=t([p.slot for p in prefill]),
-        record_indices=(t([(fused_rows or 0) + i for i in range(num_decode_rows)])
-                        if fused else None),
-        prev_lens=t([d.request.pending for d in decode] + [0] * pad) if fused else None,
-        prev_record_indices=(t([max(d.request.pending_row, 0) for d in decode] + [0] * pad)
-                             if fused else None),
-    )
-    attention = AttentionInputs(
-        positions=t(positions, torch.int64),
-        row_of_token=t(rows, torch.int64),
-        kv_slots=t(kv_slots, torch.int64),
-        block_tables=t(tables, torch.int64),
-    )
-    return StepInputs(token_ids=t(tokens, torch.int64), attention=attention, linear=linear,
-                      backend=backend, validate=validate)
+    add("linear.decode_query_start_loc", [i * W for i in range(num_decode_rows + 1)])
+    add("linear.decode_state_indices", state_idx)
+    add("linear.decode_conv_indices", [d.conv for d in decode] + [-1] * pad)
+    if full:
+        add("linear.num_accepted", na)
+    if full or fused:
+        add("linear.conv_offsets", [n - 1 for n in na])
+    add("linear.prefill_query_start_loc", [0, *accumulate(p.end - p.start for p in prefill)])
+    add("linear.prefill_state_indices", [p.slot for p in prefill])
+    if fused:
+        add("linear.record_indices", [(fused_rows or 0) + i for i in range(num_decode_rows)])
+        add("linear.prev_lens", [d.request.pending for d in decode] + [0] * pad)
+        add("linear.prev_record_indices",
+            [max(d.request.pending_row, 0) for d in decode] + [0] * pad)
+    add("attention.positions", positions, torch.int64)
+    add("attention.row_of_token", rows, torch.int64)
+    add("attention.kv_slots", kv_slots, torch.int64)
+    add("attention.block_tables", tables, torch.int64)
+    add("token_ids", tokens, torch.int64)
+    return from_packed(packer.upload(device), mode, num_decode_rows * W, validate=validate,
+                       backend=backend)
+
+
+class _Packer:
+    """Flattens a step's index vectors into one host list per dtype (see PackedIndices)."""
+
+    ALIGN = 16  # bytes: each tensor starts where a vectorized kernel load expects it
+
+    def __init__(self) -> None:
+        self.dtypes: list[torch.dtype] = [INDEX, torch.int64]
+        self.values: list[list[int]] = [[], []]
+        self.layout: list[Slice] = []
+
+    def add(self, name: str, values: list[int] | list[list[int]],
+            dtype: torch.dtype = INDEX) -> None:
+        """Append one tensor (a list, or a list of equal-length lists)."""
+        buf = self.dtypes.index(dtype)
+        flat = self.values[buf]
+        if values and isinstance(values[0], list):
+            rows = cast("list[list[int]]", values)
+            shape: tuple[int, ...] = (len(rows), len(rows[0]))
+            for row in rows:
+                flat.extend(row)
+        else:
+            shape = (len(values),)
+            flat.extend(cast("list[int]", values))
+        self.layout.append((name, buf, len(flat) - math.prod(shape), shape))
+        step = self.ALIGN // dtype.itemsize
+        flat.extend([0] * (-len(flat) % step))
+
+    def upload(self, device: torch.device) -> PackedIndices:
+        """One tensor per dtype on ``device``."""
+        buffers = tuple(torch.tensor(v, dtype=d, device=device)
+                        for v, d in zip(self.values, self.dtypes, strict=True))
+        return PackedIndices(buffers, tuple(self.layout))

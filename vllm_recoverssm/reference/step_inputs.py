@@ -9,7 +9,8 @@ kind which state slots and conv windows the ops use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -85,6 +86,35 @@ class LinearInputs:
         return int(self.prefill_query_start_loc.shape[0]) - 1
 
 
+Slice = tuple[str, int, int, tuple[int, ...]]
+"""Where one named index tensor lies: ``(name, buffer, offset, shape)``."""
+
+
+@dataclass(frozen=True)
+class PackedIndices:
+    """A step's index tensors as views of one device buffer per dtype.
+
+    The host builds every index vector of a step; packing them makes one host-to-device
+    copy per dtype instead of one per tensor, and lets a CUDA graph refill its static
+    inputs with one device copy per dtype. Names are those of :func:`tensor_fields`.
+    """
+
+    buffers: tuple[torch.Tensor, ...]
+    layout: tuple[Slice, ...]
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Each named tensor, as a view of its buffer."""
+        out = {}
+        for name, buf, offset, shape in self.layout:
+            size = math.prod(shape)
+            out[name] = self.buffers[buf][offset:offset + size].view(shape)
+        return out
+
+    def clone(self) -> PackedIndices:
+        """The same layout in new buffers (a CUDA graph's static inputs)."""
+        return PackedIndices(tuple(b.clone() for b in self.buffers), self.layout)
+
+
 @dataclass
 class StepInputs:
     """Everything one forward step reads: token ids plus attention and KDA addressing.
@@ -92,6 +122,7 @@ class StepInputs:
     ``validate`` asks the ops to check their arguments (reads device values, so a CUDA-graph
     capture passes ``False`` after an eager step validated the same buffers); ``backend``
     is the ops' backend (``"auto"``: Triton on CUDA tensors, the reference elsewhere).
+    ``packed``, when set, holds the buffers every index tensor is a view of.
     """
 
     token_ids: torch.Tensor
@@ -99,8 +130,37 @@ class StepInputs:
     linear: LinearInputs
     validate: bool = True
     backend: str = "auto"
+    packed: PackedIndices | None = None
 
     @property
     def num_tokens(self) -> int:
         """Tokens in the step."""
         return int(self.token_ids.shape[0])
+
+
+def tensor_fields(inputs: StepInputs) -> dict[str, torch.Tensor]:
+    """The step's tensors by name: ``token_ids``, ``attention.<field>``, ``linear.<field>``."""
+    out = {"token_ids": inputs.token_ids}
+    for group_name, group in (("attention", inputs.attention), ("linear", inputs.linear)):
+        for f in fields(group):  # type: ignore[arg-type]
+            value = getattr(group, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f"{group_name}.{f.name}"] = value
+    return out
+
+
+def from_packed(
+    packed: PackedIndices, mode: str, num_decode_tokens: int, *, validate: bool, backend: str
+) -> StepInputs:
+    """The step whose tensors are the views of ``packed`` (names of :func:`tensor_fields`)."""
+    v = packed.views()
+    attention = {f.name: v[f"attention.{f.name}"] for f in fields(AttentionInputs)}
+    # the optional tensors (None in the other mode) are simply absent from the layout
+    linear = {f.name: v.get(f"linear.{f.name}") for f in fields(LinearInputs)
+              if f.name not in ("mode", "num_decode_tokens")}
+    return StepInputs(
+        token_ids=v["token_ids"], attention=AttentionInputs(**attention),
+        linear=LinearInputs(mode=mode, num_decode_tokens=num_decode_tokens,
+                            **linear),  # type: ignore[arg-type]
+        validate=validate, backend=backend, packed=packed,
+    )
