@@ -66,6 +66,13 @@ class Validator:
         extra = f" ({why})" if why else ""
         return argparse.ArgumentTypeError(f"expected {self.expected}, got {shown(text)}{extra}")
 
+    def expand(self, text: str) -> Path:
+        """``text`` as a path with ``~`` / ``~user`` expanded (a user with no home fails)."""
+        try:
+            return Path(text).expanduser()
+        except RuntimeError:  # pathlib's answer to ~user when that user has no home
+            raise self.fail(text, "the home directory of that user is unknown") from None
+
     def samples(self) -> list[str]:
         """Values near and past the bounds (valid and invalid), for fuzzing."""
         return ["", " ", "x", "nan", "inf", "-inf", "1e309", "9" * 5000, "0x10"]
@@ -230,7 +237,7 @@ class InputFile(Validator):
         self.expected = f"{what}: a readable file of at most {max_bytes:,} bytes{holder}"
 
     def parse(self, text: str) -> Path:
-        path = Path(text).expanduser()
+        path = self.expand(text)
         st = _lstat(path)
         if st is not None and stat.S_ISDIR(st.st_mode) and self.dir_file:
             path = path / self.dir_file
@@ -246,8 +253,9 @@ class InputFile(Validator):
         return path
 
     def samples(self) -> list[str]:
-        """Paths that do not exist or are not files."""
-        return ["/", "/nonexistent/config.json", "/dev/null", "/dev/zero"] + super().samples()
+        """Paths that do not exist or are not files, and a home that cannot be found."""
+        return ["/", "/nonexistent/config.json", "/dev/null", "/dev/zero",
+                "~nosuchuser0/a"] + super().samples()
 
 
 class Directory(Validator):
@@ -261,7 +269,7 @@ class Directory(Validator):
     def parse(self, text: str) -> Path:
         if not text.strip():
             raise self.fail(text)
-        path = Path(text).expanduser().absolute()
+        path = self.expand(text).absolute()
         st = _lstat(path)
         if st is not None:
             if not stat.S_ISDIR(st.st_mode):
@@ -273,8 +281,9 @@ class Directory(Validator):
         return path
 
     def samples(self) -> list[str]:
-        """A file, a missing parent and the null device."""
-        return ["/dev/null", "/nonexistent/a/b", "/etc/hostname"] + super().samples()
+        """A file, a missing parent, the null device and an unknown user's home."""
+        return ["/dev/null", "/nonexistent/a/b", "/etc/hostname",
+                "~nosuchuser0"] + super().samples()
 
 
 class OutputFile(Validator):
@@ -287,7 +296,7 @@ class OutputFile(Validator):
     def parse(self, text: str) -> Path:
         if not text.strip():
             raise self.fail(text)
-        path = Path(text).expanduser()
+        path = self.expand(text)
         parent = _lstat(path.parent if str(path.parent) else Path("."))
         if parent is None or not stat.S_ISDIR(parent.st_mode):
             raise self.fail(text, "no such directory")
@@ -297,8 +306,9 @@ class OutputFile(Validator):
         return path
 
     def samples(self) -> list[str]:
-        """A directory, the null device and a missing directory."""
-        return ["/", "/dev/null", "/nonexistent/out.json"] + super().samples()
+        """A directory, the null device, a missing directory and an unknown user's home."""
+        return ["/", "/dev/null", "/nonexistent/out.json",
+                "~nosuchuser0/out.json"] + super().samples()
 
 
 def validators_of(parser: argparse.ArgumentParser) -> dict[str, Validator]:
