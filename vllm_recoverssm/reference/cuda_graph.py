@@ -16,43 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .step_inputs import AttentionInputs, LinearInputs, StepInputs, from_packed, tensor_fields
+from .step_inputs import Slice, StepInputs, from_packed
 
 if TYPE_CHECKING:
     from .runtime import SpecRuntime
-
-
-def _clone_inputs(inputs: StepInputs) -> StepInputs:
-    if inputs.packed is not None:
-        return from_packed(inputs.packed.clone(), inputs.linear.mode,
-                           inputs.linear.num_decode_tokens, validate=False,
-                           backend=inputs.backend)
-    lin = inputs.linear
-    attn = inputs.attention
-
-    def c(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.clone()
-
-    return StepInputs(
-        token_ids=inputs.token_ids.clone(),
-        attention=AttentionInputs(
-            positions=attn.positions.clone(), row_of_token=attn.row_of_token.clone(),
-            kv_slots=attn.kv_slots.clone(), block_tables=attn.block_tables.clone(),
-        ),
-        linear=LinearInputs(
-            mode=lin.mode, num_decode_tokens=lin.num_decode_tokens,
-            decode_query_start_loc=lin.decode_query_start_loc.clone(),
-            decode_state_indices=lin.decode_state_indices.clone(),
-            decode_conv_indices=lin.decode_conv_indices.clone(),
-            num_accepted=c(lin.num_accepted), conv_offsets=c(lin.conv_offsets),
-            prefill_query_start_loc=lin.prefill_query_start_loc.clone(),
-            prefill_state_indices=lin.prefill_state_indices.clone(),
-            record_indices=c(lin.record_indices), prev_lens=c(lin.prev_lens),
-            prev_record_indices=c(lin.prev_record_indices),
-        ),
-        validate=False,
-        backend=inputs.backend,
-    )
 
 
 class DecodeGraph:
@@ -72,10 +39,15 @@ class DecodeGraph:
             )
         if first.linear.num_prefill_rows:
             raise ValueError("argument 'first': only pure decode steps can be captured")
+        if first.packed is None:
+            raise ValueError("argument 'first': a graph refills its inputs from packed "
+                             "buffers; build the step with build_step_inputs")
         self.runtime = runtime
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.static = _clone_inputs(first)
-        self._buffers = tensor_fields(self.static)
+        self._static = first.packed.clone()
+        self.static = from_packed(self._static, first.linear.mode,
+                                  first.linear.num_decode_tokens, validate=False,
+                                  backend=first.backend)
         # The first step runs eagerly on a side stream (it also compiles and warms up every
         # kernel); it cannot be run twice, because each step moves the conv windows.
         main = torch.cuda.current_stream(runtime.device)
@@ -95,23 +67,18 @@ class DecodeGraph:
             # The capturing call already ran this step eagerly: hand back its result.
             out, self._pending_first = self._pending_first, None
             return out
-        static = self.static.packed
-        if (static is not None and inputs.packed is not None
-                and inputs.packed.layout == static.layout):
-            # same layout: one device copy per index dtype refills every input buffer
-            for dst, packed in zip(static.buffers, inputs.packed.buffers, strict=True):
-                dst.copy_(packed)
-            self.graph.replay()
-            return self.output.clone()
-        new = tensor_fields(inputs)
-        for name, buf in self._buffers.items():
-            src = new.get(name)
-            if src is None or src.shape != buf.shape:
-                got = None if src is None else list(src.shape)
-                raise ValueError(
-                    f"argument 'inputs': {name} has shape {got}, the graph was captured with "
-                    f"{list(buf.shape)}"
-                )
-            buf.copy_(src)
+        if inputs.packed is None or inputs.packed.layout != self._static.layout:
+            got = None if inputs.packed is None else _describe(inputs.packed.layout)
+            raise ValueError(
+                f"argument 'inputs': index tensors {got}, the graph was captured with "
+                f"{_describe(self._static.layout)}"
+            )
+        # one device copy per index dtype refills every input buffer
+        for dst, src in zip(self._static.buffers, inputs.packed.buffers, strict=True):
+            dst.copy_(src)
         self.graph.replay()
         return self.output.clone()
+
+
+def _describe(layout: tuple[Slice, ...]) -> str:
+    return ", ".join(f"{name} {list(shape)}" for name, _, _, shape in layout)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -329,24 +329,20 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     try:
         for run in range(options.repeat):
             for mode in _run_order(run):
-                if on_gpu and run == 0:
-                    # Kernel compilation and graph capture happen on a mode's first steps; a
-                    # short untimed run first keeps them out of the tokens/s compared below.
-                    with SpecRuntime(model, RuntimeConfig(
-                        mode=mode, num_spec=S, max_running=max_running,
-                        max_model_len=max_model_len, max_prefill_tokens=prefill_budget,
-                        block_size=block_size, prefix_caching=options.prefix_caching,
-                        cuda_graph=cuda_graph, fused_commit=options.fused_commit,
-                    ), drafter) as warm_up:
-                        warm_up.add_request(prompts[0], 2 * (S + 1))
-                        warm_up.run()
-                runtime = SpecRuntime(model, RuntimeConfig(
+                config_of_mode = RuntimeConfig(
                     mode=mode, num_spec=S, max_running=max_running,
                     max_model_len=max_model_len, max_prefill_tokens=prefill_budget,
                     block_size=block_size, prefix_caching=options.prefix_caching,
-                    cuda_graph=cuda_graph,
-                    checkpoint=place.config if place is not None else None,
-                    fused_commit=options.fused_commit,
+                    cuda_graph=cuda_graph, fused_commit=options.fused_commit,
+                )
+                if on_gpu and run == 0:
+                    # Kernel compilation and graph capture happen on a mode's first steps; a
+                    # short untimed run first keeps them out of the tokens/s compared below.
+                    with SpecRuntime(model, config_of_mode, drafter) as warm_up:
+                        warm_up.add_request(prompts[0], 2 * (S + 1))
+                        warm_up.run()
+                runtime = SpecRuntime(model, replace(
+                    config_of_mode, checkpoint=place.config if place is not None else None,
                 ), drafter)
                 phase = f"{mode} run {run + 1}" if options.repeat > 1 else mode
                 with runtime:

@@ -96,7 +96,8 @@ class PackedIndices:
 
     The host builds every index vector of a step; packing them makes one host-to-device
     copy per dtype instead of one per tensor, and lets a CUDA graph refill its static
-    inputs with one device copy per dtype. Names are those of :func:`tensor_fields`.
+    inputs with one device copy per dtype. Names are ``token_ids``,
+    ``attention.<field>`` and ``linear.<field>``.
     """
 
     buffers: tuple[torch.Tensor, ...]
@@ -138,21 +139,10 @@ class StepInputs:
         return int(self.token_ids.shape[0])
 
 
-def tensor_fields(inputs: StepInputs) -> dict[str, torch.Tensor]:
-    """The step's tensors by name: ``token_ids``, ``attention.<field>``, ``linear.<field>``."""
-    out = {"token_ids": inputs.token_ids}
-    for group_name, group in (("attention", inputs.attention), ("linear", inputs.linear)):
-        for f in fields(group):  # type: ignore[arg-type]
-            value = getattr(group, f.name)
-            if isinstance(value, torch.Tensor):
-                out[f"{group_name}.{f.name}"] = value
-    return out
-
-
 def from_packed(
     packed: PackedIndices, mode: str, num_decode_tokens: int, *, validate: bool, backend: str
 ) -> StepInputs:
-    """The step whose tensors are the views of ``packed`` (names of :func:`tensor_fields`)."""
+    """The step whose tensors are the views of ``packed``."""
     v = packed.views()
     attention = {f.name: v[f"attention.{f.name}"] for f in fields(AttentionInputs)}
     # the optional tensors (None in the other mode) are simply absent from the layout
