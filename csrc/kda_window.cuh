@@ -1,10 +1,11 @@
 // Window verify for KDA speculative decoding on NVIDIA GPUs (SM80+), K = V = 128.
 //
 // The same computation as vllm_recoverssm/ops/triton_window.py (its docstring derives it):
-// per request and head, the outputs and corrections of up to 8 tokens come from ONE
-// product of the FP32 checkpoint with 16 probe vectors [A_t k^_t | A_t q^_t], taken on the
-// tensor cores as three tf32 products (hi*lo, lo*hi, hi*hi: fp32-accurate), plus an 8x8
-// unit-triangular solve that every row shares. No token waits on a reduction over K, so
+// per request and head, the outputs and corrections of up to TP = 8 tokens come from ONE
+// product of the FP32 checkpoint with 2 TP probe vectors [A_t k^_t | A_t q^_t], taken on
+// the tensor cores as three tf32 products (hi*lo, lo*hi, hi*hi: fp32-accurate), plus a
+// TP x TP unit-triangular solve that every row shares. Windows of at most 4 tokens (S <= 3)
+// take TP = 4: 8 probes, one n-tile, half the products and half the per-row solve. No token waits on a reduction over K, so
 // a block reads its rows of the state once, issues a few hundred tensor-core products
 // and writes its records: the kernel is bound by memory.
 //
@@ -12,7 +13,9 @@
 // reduction index K is permuted so that each lane's A fragment for two k-steps is one
 // contiguous float4 of its row, which the lane loads straight from global memory (the
 // same permutation is applied to the probes, so the sum is unchanged). Accumulator
-// lanes g (= lane / 4) and t (= lane % 4) hold keys and queries of tokens 2t and 2t+1.
+// lanes g (= lane / 4) and t (= lane % 4) hold keys and queries of tokens 2t and 2t+1
+// (TP = 8: two n-tiles), or lanes t < 2 the keys and t >= 2 the queries of tokens
+// 2(t % 2) and 2(t % 2) + 1 (TP = 4: one n-tile).
 //
 // Modes: RECOVERY writes outputs and records; FULL (the full-state baseline) also
 // rebuilds and writes the state after every token; FUSED first replays the previous
@@ -174,71 +177,95 @@ __device__ __forceinline__ void mma_pair(float (&d)[4], const SplitA& a, float4 
   }
 }
 
-// 8 consecutive activations as floats (one 16-byte load for bf16), zeros if not live
-template <typename T> __device__ __forceinline__ void load8(const T* p, float (&x)[8], bool live);
-template <> __device__ __forceinline__ void load8<float>(const float* p, float (&x)[8], bool live) {
-  float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-  if (live) { a = ld4(p); b = ld4(p + 4); }
-  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-}
-template <> __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float (&x)[8],
-                                                                  bool live) {
-  uint4 u = make_uint4(0u, 0u, 0u, 0u);
-  if (live) u = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+// N = 4 or 8 consecutive activations as floats (one 8- or 16-byte load for bf16), zeros
+// if not live
+template <typename T, int N> struct VecIO;
+template <int N> struct VecIO<float, N> {
+  static __device__ __forceinline__ void load(const float* p, float (&x)[N], bool live) {
+    float4 a[N / 4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    x[2 * i] = __uint_as_float(w[i] << 16);
-    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    for (int i = 0; i < N / 4; ++i) a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (live) {
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) a[i] = ld4(p + 4 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      x[4 * i] = a[i].x; x[4 * i + 1] = a[i].y; x[4 * i + 2] = a[i].z; x[4 * i + 3] = a[i].w;
+    }
   }
-}
-// 8 floats back to activations (exact: they were loaded from that dtype)
-template <typename T> __device__ __forceinline__ void store8(T* p, const float (&x)[8]);
-template <> __device__ __forceinline__ void store8<float>(float* p, const float (&x)[8]) {
-  st4(p, make_float4(x[0], x[1], x[2], x[3]));
-  st4(p + 4, make_float4(x[4], x[5], x[6], x[7]));
-}
-template <> __device__ __forceinline__ void store8<__nv_bfloat16>(__nv_bfloat16* p, const float (&x)[8]) {
-  uint4 u;
-  uint32_t w[4];
+  static __device__ __forceinline__ void store(float* p, const float (&x)[N]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w[i] = (__float_as_uint(x[2 * i]) >> 16) | (__float_as_uint(x[2 * i + 1]) & 0xffff0000u);
-  u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
-  *reinterpret_cast<uint4*>(p) = u;
-}
-__device__ __forceinline__ void st8(float* p, const float (&x)[8]) {
-  st4(p, make_float4(x[0], x[1], x[2], x[3]));
-  st4(p + 4, make_float4(x[4], x[5], x[6], x[7]));
+    for (int i = 0; i < N; i += 4) st4(p + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
+  }
+};
+template <int N> struct VecIO<__nv_bfloat16, N> {
+  static_assert(N == 4 || N == 8, "4 or 8 bf16 values per access");
+  static __device__ __forceinline__ void load(const __nv_bfloat16* p, float (&x)[N], bool live) {
+    uint32_t w[N / 2];
+    if constexpr (N == 8) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (live) u = *reinterpret_cast<const uint4*>(p);
+      w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
+    } else {
+      uint2 u = make_uint2(0u, 0u);
+      if (live) u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x; w[1] = u.y;
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  // exact: the floats were loaded from bf16
+  static __device__ __forceinline__ void store(__nv_bfloat16* p, const float (&x)[N]) {
+    uint32_t w[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i)
+      w[i] = (__float_as_uint(x[2 * i]) >> 16) | (__float_as_uint(x[2 * i + 1]) & 0xffff0000u);
+    if constexpr (N == 8) {
+      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    }
+  }
+};
+template <int N> __device__ __forceinline__ void stN(float* p, const float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) st4(p + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
 }
 
-// sums over the 16 lanes that share a token in the prologue (a fixed xor tree)
-__device__ __forceinline__ float group16_sum(float x) {
+// sums over the L lanes (16 or 32) that share a token in the prologue (a fixed xor tree)
+template <int L, typename F> __device__ __forceinline__ F group_sum(F x) {
 #pragma unroll
-  for (int o = 8; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ __forceinline__ double group16_sum(double x) {
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = L / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
-// One block: 4 warps, 16 * MT rows each, of one (request, head). The recovery verify
-// asks for three blocks per SM (at most 168 registers): a block waits on memory and on
-// short chains of dependent products, and more blocks in flight hide both.
-template <int MODE, int MT, typename T>
+// One block: 4 warps, 16 * MT rows each, of one (request, head); TP (4 or 8) token slots,
+// so a window of at most four tokens takes half the products. The recovery verify asks
+// for three blocks per SM (at most 168 registers): a block waits on memory and on short
+// chains of dependent products, and more blocks in flight hide both.
+template <int MODE, int MT, int TP, typename T>
 __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_kernel(const Params p) {
+  static_assert(TP == 4 || TP == 8, "4 or 8 token slots");
   constexpr int kRows = 4 * 16 * MT;
+  constexpr int NP = 2 * TP;           // live probe columns: TP keys, then TP queries
+  constexpr int NT = NP / 8;           // n-tiles of the main product
+  constexpr int PL = kD / TP;          // prologue lanes per token
+  constexpr int PC = TP;               // prologue columns per thread
+  // the coupling product is one m16n8 tile: 16 probe rows by 8 token columns, so those
+  // buffers keep 16 and 8 rows whatever TP (rows past NP and TP are never read back)
   __shared__ __align__(16) float sE[2][kNP][kEPad];  // probes, tf32 hi / lo
   __shared__ __align__(16) float sF[kTP][kFPad];     // k^_t / A_t
-  __shared__ __align__(16) float sKh[kTP][kD];       // FULL: k^_t; FUSED: previous k^_j
-  __shared__ __align__(16) float sA[kTP][kD];        // their decays
-  __shared__ __align__(16) float sG[kTP][kD];        // log-decays g_t
+  __shared__ __align__(16) float sKh[TP][kD];        // FULL: k^_t; FUSED: previous k^_j
+  __shared__ __align__(16) float sA[TP][kD];         // their decays
+  __shared__ __align__(16) float sG[TP][kD];         // log-decays g_t
   __shared__ float sPart[4][kNP][kTP];                // couplings, one part per warp
   __shared__ float sCoup[kNP][kTP];
-  __shared__ __align__(16) float sMinv[kTP][kTP];
-  __shared__ __align__(16) float sQ[kTP][kTP];
+  __shared__ __align__(16) float sMinv[TP][TP];
+  __shared__ __align__(16) float sQ[TP][TP];
   __shared__ float sB[kTP];
 
   const int n = blockIdx.y, h = blockIdx.z;
@@ -285,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
 #pragma unroll
       for (int m = 0; m < 8; ++m) s[mt][hf][m] = ld4(rp + 16 * m);
     }
-  // v of tokens 2t4, 2t4+1 for the rows
+  // v of tokens 2t4, 2t4+1 for the rows (with TP = 4, lanes t4 >= 2 hold queries: no v)
   float vt[MT][2][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -294,16 +321,16 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int t = 2 * t4 + e, r = row0 + mt * 16 + hf * 8 + g8;
-        vt[mt][hf][e] = t < ntok ? to_f<T>(v[((long long)(start + t) * H + h) * kD + r]) : 0.0f;
+        vt[mt][hf][e] = t < ntok && t < TP ? to_f<T>(v[((long long)(start + t) * H + h) * kD + r]) : 0.0f;
       }
   int plen = 0;
   long long prow = n;
-  float cprev[kTP][MT][2];
+  float cprev[TP][MT][2];
   if (MODE == kFused) {
     plen = p.plen[n];
     if (p.pridx != nullptr) prow = p.pridx[n];
 #pragma unroll
-    for (int j = 0; j < kTP; ++j)
+    for (int j = 0; j < TP; ++j)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -318,80 +345,75 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   const bool has_rec = rrow >= 0;
 
   // ---- per head: thread (pt, pc) owns token pt's key, query and gate at columns
-  // pc..pc+7 (16 threads per token, one 16-byte load each), so no work repeats per thread
-  const int pt = tid >> 4, pc = (tid & 15) * 8;
+  // pc..pc+PC-1 (PL threads per token, one load each), so no work repeats per thread
+  const int pt = tid >> (TP == 8 ? 4 : 5), pc = (tid & (PL - 1)) * PC;
   const bool plive = pt < ntok;
   const float a_coef = tl_exp(p.A_log[h]);
-  float dtb[8], kx[8], qx[8], gx[8];
-  {
-    const float4 d0 = ld4(p.dt_bias + h * kD + pc), d1 = ld4(p.dt_bias + h * kD + pc + 4);
-    dtb[0] = d0.x; dtb[1] = d0.y; dtb[2] = d0.z; dtb[3] = d0.w;
-    dtb[4] = d1.x; dtb[5] = d1.y; dtb[6] = d1.z; dtb[7] = d1.w;
-  }
+  float dtb[PC], kx[PC], qx[PC], gx[PC];
+  VecIO<float, PC>::load(p.dt_bias + h * kD + pc, dtb, true);
   const long long poff = ((long long)(start + pt) * H + h) * kD + pc;
-  load8<T>(k + poff, kx, plive);
-  load8<T>(q + poff, qx, plive);
-  load8<T>(g + poff, gx, plive);
+  VecIO<T, PC>::load(k + poff, kx, plive);
+  VecIO<T, PC>::load(q + poff, qx, plive);
+  VecIO<T, PC>::load(g + poff, gx, plive);
   // beta and (fused) the previous records before the kg store below: the compiler cannot
   // move a load above a store that might alias it, and issued after it their latency
   // would stall the prologue's first barrier
   const float braw =
       tid < kTP && tid < ntok ? to_f<T>(beta[(long long)(start + tid) * H + h]) : 0.0f;
-  float pk[8], pg[8];
+  float pk[PC], pg[PC];
   if (MODE == kFused) {
     const T* row = static_cast<const T*>(p.pkg) + prow * p.pkg_row + ((long long)h * W + pt) * 2 * kD + pc;
-    load8<T>(row, pk, pt < plen);
-    load8<T>(row + kD, pg, pt < plen);
+    VecIO<T, PC>::load(row, pk, pt < plen);
+    VecIO<T, PC>::load(row + kD, pg, pt < plen);
   }
   if (MODE != kFull && has_rec && blockIdx.x == 0 && plive) {
     T* row = static_cast<T*>(p.kg) + rrow * p.kg_row + ((long long)h * W + pt) * 2 * kD + pc;
-    store8<T>(row, kx);
-    store8<T>(row + kD, gx);
+    VecIO<T, PC>::store(row, kx);
+    VecIO<T, PC>::store(row + kD, gx);
   }
   float sk = 0.0f, sq = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < PC; ++i) {
     sk = fmaf(kx[i], kx[i], sk);
     sq = fmaf(qx[i], qx[i], sq);
   }
-  sk = group16_sum(sk);
-  sq = group16_sum(sq);
+  sk = group_sum<PL>(sk);
+  sq = group_sum<PL>(sq);
   const float ik = rsqrtf(sk + 1e-6f), iq = p.scale * rsqrtf(sq + 1e-6f);
-  float gl[8];
+  float gl[PC];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) gl[i] = plive ? log_decay(gx[i], a_coef, dtb[i], p.lower_bound) : 0.0f;
-  st4(&sG[pt][pc], make_float4(gl[0], gl[1], gl[2], gl[3]));
-  st4(&sG[pt][pc + 4], make_float4(gl[4], gl[5], gl[6], gl[7]));
+  for (int i = 0; i < PC; ++i) gl[i] = plive ? log_decay(gx[i], a_coef, dtb[i], p.lower_bound) : 0.0f;
+  stN<PC>(&sG[pt][pc], gl);
   if (MODE == kFull) {
     // the commit's key norm and decay, for rebuilding the states (bit for bit)
     double ss = 0.0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) ss += (double)kx[i] * (double)kx[i];
-    const float nrm = key_norm(group16_sum(ss));
-    float kh[8], a[8];
+    for (int i = 0; i < PC; ++i) ss += (double)kx[i] * (double)kx[i];
+    const float nrm = key_norm(group_sum<PL>(ss));
+    float kh[PC], a[PC];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < PC; ++i) {
       kh[i] = div_full(kx[i], nrm);
       a[i] = plive ? tl_exp(gl[i]) : 1.0f;
     }
-    st8(&sKh[pt][pc], kh);
-    st8(&sA[pt][pc], a);
+    stN<PC>(&sKh[pt][pc], kh);
+    stN<PC>(&sA[pt][pc], a);
   }
   if (MODE == kFused) {
     // the previous step's record pt: its key norm and decay (bit for bit as commit)
     const bool live = pt < plen;
     double ss = 0.0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) ss += (double)pk[i] * (double)pk[i];
-    const float nrm = key_norm(group16_sum(ss));
-    float kh[8], a[8];
+    for (int i = 0; i < PC; ++i) ss += (double)pk[i] * (double)pk[i];
+    const float nrm = key_norm(group_sum<PL>(ss));
+    float kh[PC], a[PC];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < PC; ++i) {
       kh[i] = div_full(pk[i], nrm);
       a[i] = live ? tl_exp(log_decay(pg[i], a_coef, dtb[i], p.lower_bound)) : 1.0f;
     }
-    st8(&sKh[pt][pc], kh);
-    st8(&sA[pt][pc], a);
+    stN<PC>(&sKh[pt][pc], kh);
+    stN<PC>(&sA[pt][pc], a);
   }
   if (tid < kTP) {
     const int t = tid;
@@ -400,18 +422,24 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   __syncthreads();
   {
     // cumulative log-decay of tokens 0..pt, summed in token order
-    float G[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float G[PC];
 #pragma unroll
-    for (int u = 0; u < kTP; ++u) {
+    for (int i = 0; i < PC; ++i) G[i] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < TP; ++u) {
       if (u <= pt) {
-        const float4 x0 = ld4(&sG[u][pc]), x1 = ld4(&sG[u][pc + 4]);
-        G[0] += x0.x; G[1] += x0.y; G[2] += x0.z; G[3] += x0.w;
-        G[4] += x1.x; G[5] += x1.y; G[6] += x1.z; G[7] += x1.w;
+        float4 x[PC / 4];
+#pragma unroll
+        for (int i = 0; i < PC / 4; ++i) x[i] = ld4(&sG[u][pc + 4 * i]);
+#pragma unroll
+        for (int i = 0; i < PC / 4; ++i) {
+          G[4 * i] += x[i].x; G[4 * i + 1] += x[i].y; G[4 * i + 2] += x[i].z; G[4 * i + 3] += x[i].w;
+        }
       }
     }
-    float ekh[8], ekl[8], eqh[8], eql[8], fv[8];
+    float ekh[PC], ekl[PC], eqh[PC], eql[PC], fv[PC];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < PC; ++i) {
       const float A = ex2_approx(G[i] * kLog2e), Ainv = ex2_approx(-G[i] * kLog2e);
       const float kh = kx[i] * ik, ek = A * kh, eq = A * (qx[i] * iq);
       const uint32_t hk = tf32_hi(ek), hq = tf32_hi(eq);
@@ -421,18 +449,18 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
       eql[i] = __uint_as_float(tf32_lo(eq, hq));
       fv[i] = Ainv * kh;
     }
-    st8(&sE[0][pt][pc], ekh);
-    st8(&sE[1][pt][pc], ekl);
-    st8(&sE[0][kTP + pt][pc], eqh);
-    st8(&sE[1][kTP + pt][pc], eql);
-    st8(&sF[pt][pc], fv);
+    stN<PC>(&sE[0][pt][pc], ekh);
+    stN<PC>(&sE[1][pt][pc], ekl);
+    stN<PC>(&sE[0][TP + pt][pc], eqh);
+    stN<PC>(&sE[1][TP + pt][pc], eql);
+    stN<PC>(&sF[pt][pc], fv);
   }
   __syncthreads();
 
   if (MODE == kFused) {
     // the deferred commit of the previous step: S = S * diag(a_j) + outer(c_j, k^_j)
 #pragma unroll
-    for (int j = 0; j < kTP; ++j) {
+    for (int j = 0; j < TP; ++j) {
       if (j >= plen) break;  // uniform over the block; the unrolled body keeps cprev in registers
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
@@ -494,12 +522,12 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
     sCoup[pp][j] = (sPart[0][pp][j] + sPart[1][pp][j]) + (sPart[2][pp][j] + sPart[3][pp][j]);
   }
   __syncthreads();
-  if (tid < kTP) {
+  if (tid < TP) {
     // column j of M^-1, M = I + diag(b) L (L: strictly lower key couplings), then Q = G M^-1
     const int j = tid;
-    float x[kTP];
+    float x[TP];
 #pragma unroll
-    for (int i = 0; i < kTP; ++i) {
+    for (int i = 0; i < TP; ++i) {
       float acc = i == j ? 1.0f : 0.0f;
       const float bi = sB[i];
 #pragma unroll
@@ -508,57 +536,72 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
       sMinv[i][j] = acc;
     }
 #pragma unroll
-    for (int t = 0; t < kTP; ++t) {
+    for (int t = 0; t < TP; ++t) {
       float acc = 0.0f;
 #pragma unroll
-      for (int l = 0; l <= t; ++l) acc += sCoup[kTP + t][l] * x[l];
+      for (int l = 0; l <= t; ++l) acc += sCoup[TP + t][l] * x[l];
       sQ[t][j] = acc;
     }
   }
   __syncthreads();
 
-  // ---- P = S [probes] for the rows
+  // ---- P = S [probes] for the rows: n-tile nt holds probe columns 8 nt .. 8 nt + 7, so
+  // with TP = 8 lanes t4 hold keys (tile 0) and queries (tile 1) of tokens 2t4, 2t4+1;
+  // with TP = 4 one tile holds them all: lanes t4 < 2 keys, t4 >= 2 queries
   // two accumulator sets (even and odd k-pairs) halve the chains of dependent products
-  float acc2[2][MT][2][4];
+  float acc2[2][MT][NT][4];
 #pragma unroll
   for (int par = 0; par < 2; ++par)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc2[par][mt][nt][e] = 0.0f;
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     const int c = 16 * m + 4 * t4;
-    const float4 bh0 = ld4(&sE[0][g8][c]), bl0 = ld4(&sE[1][g8][c]);
-    const float4 bh1 = ld4(&sE[0][kTP + g8][c]), bl1 = ld4(&sE[1][kTP + g8][c]);
+    float4 bh[NT], bl[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      bh[nt] = ld4(&sE[0][8 * nt + g8][c]);
+      bl[nt] = ld4(&sE[1][8 * nt + g8][c]);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const SplitA a = split_a(s[mt][0][m], s[mt][1][m]);
-      mma_pair(acc2[m & 1][mt][0], a, bh0, bl0);
-      mma_pair(acc2[m & 1][mt][1], a, bh1, bl1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_pair(acc2[m & 1][mt][nt], a, bh[nt], bl[nt]);
     }
   }
-  float acc[MT][2][4];
+  float acc[MT][NT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = acc2[0][mt][nt][e] + acc2[1][mt][nt][e];
 
   // ---- the solve, per row: c = M^-1 r and o = p_q + Q r with r_t = b_t (v_t - p_k)
-  float mi[2][kTP], qm[2][kTP];
+  // the tokens this lane's key (and query) columns belong to
+  constexpr int NE = TP == 8 ? 2 : 1;  // outputs per column pair: c and o, or one of them
+  const bool qlane = TP == 4 && t4 >= 2;
+  const int tl0 = TP == 8 ? 2 * t4 : 2 * (t4 & 1);
+  float wc[2][TP], wq[2][TP];
 #pragma unroll
   for (int e = 0; e < 2; ++e)
 #pragma unroll
-    for (int j = 0; j < kTP; ++j) {
-      mi[e][j] = sMinv[2 * t4 + e][j];
-      qm[e][j] = sQ[2 * t4 + e][j];
+    for (int j = 0; j < TP; ++j) {
+      if (TP == 8) {
+        wc[e][j] = sMinv[tl0 + e][j];
+        wq[e][j] = sQ[tl0 + e][j];
+      } else {
+        wc[e][j] = qlane ? sQ[tl0 + e][j] : sMinv[tl0 + e][j];
+        wq[e][j] = 0.0f;
+      }
     }
   const float b0 = sB[2 * t4], b1 = sB[2 * t4 + 1];
-  float cfull[MT][2][kTP];
+  float cfull[MT][2][TP];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -566,36 +609,39 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
       const int r = row0 + mt * 16 + hf * 8 + g8;
       const float ra = b0 * (vt[mt][hf][0] - acc[mt][0][2 * hf]);
       const float rb = b1 * (vt[mt][hf][1] - acc[mt][0][2 * hf + 1]);
-      float rv[kTP];
+      float rv[TP];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < TP / 2; ++u) {
         rv[2 * u] = __shfl_sync(0xffffffffu, ra, (lane & ~3) | u);
         rv[2 * u + 1] = __shfl_sync(0xffffffffu, rb, (lane & ~3) | u);
       }
+      // TP = 8: c[e] the correction, o[e] the output of token tl0 + e; TP = 4: c[e] is
+      // the correction (key lanes) or the output (query lanes) of token tl0 + e
       float c[2], o[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float cs = 0.0f, os = acc[mt][1][2 * hf + e];
+        float cs = qlane ? acc[mt][0][2 * hf + e] : 0.0f;
+        float os = acc[mt][NT - 1][2 * hf + e];
 #pragma unroll
-        for (int j = 0; j < kTP; ++j) {
-          cs = fmaf(mi[e][j], rv[j], cs);
-          os = fmaf(qm[e][j], rv[j], os);
+        for (int j = 0; j < TP; ++j) {
+          cs = fmaf(wc[e][j], rv[j], cs);
+          if (NE == 2) os = fmaf(wq[e][j], rv[j], os);
         }
         c[e] = cs;
         o[e] = os;
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int t = 2 * t4 + e;
+        const int t = tl0 + e;
         if (t < ntok) {
-          out[((long long)(start + t) * H + h) * kD + r] = from_f<T>(o[e]);
-          if (MODE != kFull && has_rec)
+          if (TP == 8 || qlane) out[((long long)(start + t) * H + h) * kD + r] = from_f<T>(TP == 8 ? o[e] : c[e]);
+          if (MODE != kFull && has_rec && !qlane)
             p.corr[rrow * p.corr_row + ((long long)h * W + t) * kD + r] = c[e];
         }
       }
       if (MODE == kFull) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < TP / 2; ++u) {
           cfull[mt][hf][2 * u] = __shfl_sync(0xffffffffu, c[0], (lane & ~3) | u);
           cfull[mt][hf][2 * u + 1] = __shfl_sync(0xffffffffu, c[1], (lane & ~3) | u);
         }
@@ -616,7 +662,7 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
           for (int hf = 0; hf < 2; ++hf) {
             float cv = 0.0f;
 #pragma unroll
-            for (int u = 0; u < kTP; ++u) cv = u == t ? cfull[mt][hf][u] : cv;
+            for (int u = 0; u < TP; ++u) cv = u == t ? cfull[mt][hf][u] : cv;
             float4& x = s[mt][hf][m];
             x.x = __fmaf_rn(cv, kh.x, __fmul_rn(x.x, a.x));
             x.y = __fmaf_rn(cv, kh.y, __fmul_rn(x.y, a.y));
@@ -639,23 +685,31 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   }
 }
 
-template <int MODE, int MT, typename T>
+template <int MODE, int MT, int TP, typename T>
 cudaError_t launch_typed(const Params& p, int N, cudaStream_t stream) {
   const dim3 grid(kD / (64 * MT), N, p.H);
-  window_kernel<MODE, MT, T><<<grid, kThreads, 0, stream>>>(p);
+  window_kernel<MODE, MT, TP, T><<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// One mode's launches for bfloat16 (act_dtype 0) or float32 (2) activations and 16 or 32
-// rows per warp; each mode is compiled in its own file so that the builds run in parallel.
+template <int MODE, typename T>
+cudaError_t launch_rows(const Params& p, int rows_per_warp, int N, cudaStream_t s) {
+  // a window of at most four columns (S <= 3) takes the half-width product
+  if (p.ncols <= 4)
+    return rows_per_warp == 32 ? launch_typed<MODE, 2, 4, T>(p, N, s)
+                               : launch_typed<MODE, 1, 4, T>(p, N, s);
+  return rows_per_warp == 32 ? launch_typed<MODE, 2, 8, T>(p, N, s)
+                             : launch_typed<MODE, 1, 8, T>(p, N, s);
+}
+
+// One mode's launches for bfloat16 (act_dtype 0) or float32 (2) activations, 16 or 32
+// rows per warp and 4 or 8 token slots; each mode is compiled in its own file so that the
+// builds run in parallel.
 template <int MODE>
 cudaError_t launch_mode(const Params& p, int act_dtype, int rows_per_warp, int N,
                         cudaStream_t s) {
-  if (act_dtype == 0)
-    return rows_per_warp == 32 ? launch_typed<MODE, 2, __nv_bfloat16>(p, N, s)
-                               : launch_typed<MODE, 1, __nv_bfloat16>(p, N, s);
-  return rows_per_warp == 32 ? launch_typed<MODE, 2, float>(p, N, s)
-                             : launch_typed<MODE, 1, float>(p, N, s);
+  if (act_dtype == 0) return launch_rows<MODE, __nv_bfloat16>(p, rows_per_warp, N, s);
+  return launch_rows<MODE, float>(p, rows_per_warp, N, s);
 }
 
 cudaError_t launch_recovery(const Params& p, int act_dtype, int rows_per_warp, int N,

@@ -155,6 +155,39 @@ def test_verify_and_commit_match_float64(env: Env, S: int, lb: float | None, act
         assert (pool.double() - ref_pool).abs().max() <= STATE_TOL
 
 
+@pytest.mark.parametrize("S", [1, 3, 7])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype,
+                                              monkeypatch: pytest.MonkeyPatch):
+    """The CUDA verify at 16 and 32 rows per warp (4 token slots for S <= 3, else 8): the
+    same outputs, records and full-state columns bit for bit, since the layouts choose by
+    batch and a step's recovery and full-state calls may take different ones."""
+    from vllm_recoverssm.ops import triton_kda
+
+    if env.device != "cuda" or env.kernel is not None:
+        pytest.skip("the CUDA window kernel runs in the 'gpu' environment")
+    b, lens, pool, idx, corr, kg, _ = _run_step(env, S, env.batches[1], -5.0, act, seed=60 + S)
+    qsl = b.query_start_loc.to(env.device)
+    W = S + 1
+    base = make_state(len(lens) * W + 4, env.H, env.V, env.K, device=env.device, seed=S)
+    cols = torch.randperm(base.shape[0])[: len(lens) * W].view(len(lens), W)
+    cols = cols.to(torch.int32).to(env.device)
+    n_prev = torch.ones(len(lens), dtype=torch.int32, device=env.device)
+    got = []
+    for rows in (16, 32):
+        monkeypatch.setattr(triton_kda, "CUDA_ROWS_OVERRIDE", rows)
+        c, k = corr.clone(), kg.clone()
+        out = ops.verify_recovery(*b.tokens(), pool, idx, qsl, c, k, lower_bound=-5.0,
+                                  backend="triton")
+        full_pool = base.clone()
+        out_full = ops.verify_full(*b.tokens(), full_pool, cols, n_prev, qsl,
+                                   lower_bound=-5.0, backend="triton")
+        got.append((out, c, k, out_full, full_pool))
+    assert triton_kda.verify_kernel(-5.0, W, pool, b.tokens()[0]) == "cuda"
+    for x, y in zip(*got, strict=True):
+        assert torch.equal(x, y)
+
+
 def test_wrong_accept_count_fails_the_commit_check(env: Env):
     """Negative control: committing one token too many is caught by the same check."""
     b, lens, pool, idx, corr, kg, _ = _run_step(env, 3, env.batches[0], -5.0, torch.float32,

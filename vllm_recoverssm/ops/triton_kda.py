@@ -460,15 +460,22 @@ def commit_loop(rows: int, layer_heads: int, ncols: int) -> str:
     return "prefetch" if programs < 4096 else "runtime"
 
 
-def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY) -> int:
-    """Rows per warp of the CUDA window kernel in ``mode``: 16 (two blocks per head) or 32
-    (one block per head). On an H200 at H = 32 (``python -m vllm_recoverssm.bench.tune
-    --variants cuda/``), 16 rows were faster for the recovery verify up to a batch of 16
-    (11% at batch 16; at 32, 2% faster for one layer but 3% slower over 34 layers in
-    ``recoverssm bench``), and for the fused and full-state verifies, whose blocks carry
-    more per-row work, only up to a batch of 4 (at batch 8, 24-32% slower)."""
+def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY,
+                       ncols: int = win.TP) -> int:
+    """Rows per warp of the CUDA window kernel in ``mode`` for windows of ``ncols`` tokens:
+    16 (two blocks per head) or 32 (one block per head).
+
+    Read off ``python -m vllm_recoverssm.bench.tune --variants cuda/`` on an H200 at H = 32.
+    The recovery verify of windows of at most 4 tokens (the kernel's half-width product)
+    was faster at 16 rows at every batch from 1 to 256 (3% at batch 256, 10% at 32). For
+    longer windows, 16 rows were faster up to a batch of 16 (11% at batch 16; at 32, 2%
+    faster for one layer but 3% slower over 34 layers in ``recoverssm bench``). The fused
+    and full-state verifies, whose blocks carry more per-row work, take 16 rows only up to
+    a batch of 4 (at batch 8, 24-32% slower)."""
     if CUDA_ROWS_OVERRIDE is not None:
         return CUDA_ROWS_OVERRIDE
+    if mode == win.RECOVERY and ncols <= 4:
+        return 16
     limit = 512 if mode == win.RECOVERY else 128
     return 16 if rows * heads <= limit else 32
 
@@ -552,7 +559,7 @@ def _verify_launch(
         return cuda_window.launch(
             mode, q, k, v, raw_g, raw_beta, A_log, dt_bias, state, state_indices,
             num_accepted, query_start_loc, corrections, kg, record_indices, lower_bound,
-            ncols, cuda_rows_per_warp(N, H, mode), prev)
+            ncols, cuda_rows_per_warp(N, H, mode, ncols), prev)
     if kernel == "window":
         assert lower_bound is not None  # window_supported checked it
         return win.launch_window(
