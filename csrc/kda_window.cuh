@@ -4,10 +4,10 @@
 // per request and head, the outputs and corrections of up to TP = 8 tokens come from ONE
 // product of the FP32 checkpoint with 2 TP probe vectors [A_t k^_t | A_t q^_t], taken on
 // the tensor cores as three tf32 products (hi*lo, lo*hi, hi*hi: fp32-accurate), plus a
-// TP x TP unit-triangular solve that every row shares. Windows of at most 4 tokens (S <= 3)
-// take TP = 4: 8 probes, one n-tile, half the products and half the per-row solve. No token waits on a reduction over K, so
-// a block reads its rows of the state once, issues a few hundred tensor-core products
-// and writes its records: the kernel is bound by memory.
+// TP x TP unit-triangular solve that every row shares. Windows of at most 4 tokens
+// (S <= 3) take TP = 4: 8 probes, one n-tile, half the products and half the per-row
+// solve. No token waits on a reduction over K, so a block reads its rows of the state
+// once, issues a few hundred tensor-core products and writes its records.
 //
 // Layout of the product (mma.sync m16n8k8, tf32): a warp owns 16 or 32 state rows; the
 // reduction index K is permuted so that each lane's A fragment for two k-steps is one
@@ -35,6 +35,7 @@ namespace recoverssm {
 constexpr int kD = 128;        // head dim, K = V
 constexpr int kTP = 8;         // token slots: S + 1 <= 8
 constexpr int kNP = 16;        // probe columns: 8 keys, then 8 queries
+constexpr int kHalfCols = 4;   // windows up to this wide take TP = 4 (cuda_window.HALF_WIDTH_COLS)
 constexpr int kEPad = kD + 16; // probe row stride in shared memory (conflict-free float4)
 constexpr int kFPad = kD + 4;
 constexpr int kThreads = 128;
@@ -231,10 +232,6 @@ template <int N> struct VecIO<__nv_bfloat16, N> {
     }
   }
 };
-template <int N> __device__ __forceinline__ void stN(float* p, const float (&x)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; i += 4) st4(p + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
-}
 
 // sums over the L lanes (16 or 32) that share a token in the prologue (a fixed xor tree)
 template <int L, typename F> __device__ __forceinline__ F group_sum(F x) {
@@ -383,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
   float gl[PC];
 #pragma unroll
   for (int i = 0; i < PC; ++i) gl[i] = plive ? log_decay(gx[i], a_coef, dtb[i], p.lower_bound) : 0.0f;
-  stN<PC>(&sG[pt][pc], gl);
+  VecIO<float, PC>::store(&sG[pt][pc], gl);
   if (MODE == kFull) {
     // the commit's key norm and decay, for rebuilding the states (bit for bit)
     double ss = 0.0;
@@ -396,8 +393,8 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
       kh[i] = div_full(kx[i], nrm);
       a[i] = plive ? tl_exp(gl[i]) : 1.0f;
     }
-    stN<PC>(&sKh[pt][pc], kh);
-    stN<PC>(&sA[pt][pc], a);
+    VecIO<float, PC>::store(&sKh[pt][pc], kh);
+    VecIO<float, PC>::store(&sA[pt][pc], a);
   }
   if (MODE == kFused) {
     // the previous step's record pt: its key norm and decay (bit for bit as commit)
@@ -412,8 +409,8 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
       kh[i] = div_full(pk[i], nrm);
       a[i] = live ? tl_exp(log_decay(pg[i], a_coef, dtb[i], p.lower_bound)) : 1.0f;
     }
-    stN<PC>(&sKh[pt][pc], kh);
-    stN<PC>(&sA[pt][pc], a);
+    VecIO<float, PC>::store(&sKh[pt][pc], kh);
+    VecIO<float, PC>::store(&sA[pt][pc], a);
   }
   if (tid < kTP) {
     const int t = tid;
@@ -449,11 +446,11 @@ __global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_ke
       eql[i] = __uint_as_float(tf32_lo(eq, hq));
       fv[i] = Ainv * kh;
     }
-    stN<PC>(&sE[0][pt][pc], ekh);
-    stN<PC>(&sE[1][pt][pc], ekl);
-    stN<PC>(&sE[0][TP + pt][pc], eqh);
-    stN<PC>(&sE[1][TP + pt][pc], eql);
-    stN<PC>(&sF[pt][pc], fv);
+    VecIO<float, PC>::store(&sE[0][pt][pc], ekh);
+    VecIO<float, PC>::store(&sE[1][pt][pc], ekl);
+    VecIO<float, PC>::store(&sE[0][TP + pt][pc], eqh);
+    VecIO<float, PC>::store(&sE[1][TP + pt][pc], eql);
+    VecIO<float, PC>::store(&sF[pt][pc], fv);
   }
   __syncthreads();
 
@@ -694,8 +691,8 @@ cudaError_t launch_typed(const Params& p, int N, cudaStream_t stream) {
 
 template <int MODE, typename T>
 cudaError_t launch_rows(const Params& p, int rows_per_warp, int N, cudaStream_t s) {
-  // a window of at most four columns (S <= 3) takes the half-width product
-  if (p.ncols <= 4)
+  // a window of at most kHalfCols columns (S <= 3) takes the half-width product
+  if (p.ncols <= kHalfCols)
     return rows_per_warp == 32 ? launch_typed<MODE, 2, 4, T>(p, N, s)
                                : launch_typed<MODE, 1, 4, T>(p, N, s);
   return rows_per_warp == 32 ? launch_typed<MODE, 2, 8, T>(p, N, s)

@@ -26,6 +26,9 @@ SOURCES = ("kda_window_entry.cu", "kda_window_recovery.cu", "kda_window_full.cu"
            "kda_window_fused.cu")
 HEAD_DIM = 128
 ACT_CODES = {torch.bfloat16: 0, torch.float32: 2}
+HALF_WIDTH_COLS = 4
+"""Windows of at most this many columns (S <= 3) take the kernel's half-width product:
+4 token slots, half the tensor-core products (``kHalfCols`` in ``csrc/kda_window.cuh``)."""
 DISABLE_ENV = "RECOVERSSM_CUDA_WINDOW"
 """Set to ``0`` to keep the Triton window kernel on CUDA devices (comparisons, debugging)."""
 

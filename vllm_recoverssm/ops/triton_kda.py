@@ -474,7 +474,7 @@ def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY,
     a batch of 4 (at batch 8, 24-32% slower)."""
     if CUDA_ROWS_OVERRIDE is not None:
         return CUDA_ROWS_OVERRIDE
-    if mode == win.RECOVERY and ncols <= 4:
+    if mode == win.RECOVERY and ncols <= cuda_window.HALF_WIDTH_COLS:
         return 16
     limit = 512 if mode == win.RECOVERY else 128
     return 16 if rows * heads <= limit else 32
