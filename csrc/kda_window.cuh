@@ -240,12 +240,22 @@ template <int L, typename F> __device__ __forceinline__ F group_sum(F x) {
   return x;
 }
 
+// Blocks per SM that an instantiation asks the compiler to fit (its register bound). A
+// block waits on memory and on short chains of dependent products, and more blocks in
+// flight hide both. The recovery verify asks for three (at most 168 registers). The fused
+// verify of a half-width window at 16 rows per warp asks for four: at 126 registers it
+// spills nothing. The other fused and full-state instantiations ask for none: at 16 rows
+// three of their blocks fit an SM as compiled, and at 32 rows a bound of three spilled
+// and was 40% slower (docs/bench/h200-2026-12-01-verify-profile.md).
+constexpr int min_blocks_per_sm(int mode, int mt, int tp) {
+  if (mode == kRecovery) return 3;
+  return mode == kFused && mt == 1 && tp == 4 ? 4 : 1;
+}
+
 // One block: 4 warps, 16 * MT rows each, of one (request, head); TP (4 or 8) token slots,
-// so a window of at most four tokens takes half the products. The recovery verify asks
-// for three blocks per SM (at most 168 registers): a block waits on memory and on short
-// chains of dependent products, and more blocks in flight hide both.
+// so a window of at most four tokens takes half the products.
 template <int MODE, int MT, int TP, typename T>
-__global__ void __launch_bounds__(kThreads, MODE == kRecovery ? 3 : 1) window_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) window_kernel(const Params p) {
   static_assert(TP == 4 || TP == 8, "4 or 8 token slots");
   constexpr int kRows = 4 * 16 * MT;
   constexpr int NP = 2 * TP;           // live probe columns: TP keys, then TP queries

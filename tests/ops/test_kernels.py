@@ -476,6 +476,33 @@ def test_fused_verify_is_commit_then_verify(env: Env, S: int, act: torch.dtype):
         assert _bf16_ok(out_f, out_r)
 
 
+@pytest.mark.parametrize("S", [3, 7])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_fused_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype,
+                                                    monkeypatch: pytest.MonkeyPatch):
+    """The CUDA fused verify at 16 and 32 rows per warp: the same committed state, outputs
+    and records bit for bit (its layout is chosen by batch and window width, and the 16-row
+    half-width blocks run four to an SM under their own register bound)."""
+    from vllm_recoverssm.ops import triton_kda
+
+    if env.device != "cuda" or env.kernel is not None:
+        pytest.skip("the CUDA window kernel runs in the 'gpu' environment")
+    b2, pool, idx, corr, kg, first, acc = _two_windows(env, S, act, seed=70 + S)
+    second = first + first.shape[0]
+    qsl = b2.query_start_loc.to(env.device)
+    got = []
+    for rows in (16, 32):
+        monkeypatch.setattr(triton_kda, "CUDA_ROWS_OVERRIDE", rows)
+        st, c, k = pool.clone(), corr.clone(), kg.clone()
+        out = ops.verify_fused(*b2.tokens(), st, idx, qsl, c, k, acc, lower_bound=-5.0,
+                               record_indices=second, prev_record_indices=first,
+                               backend="triton")
+        got.append((out, st, c, k))
+    assert triton_kda.verify_kernel(-5.0, S + 1, pool, b2.tokens()[0]) == "cuda"
+    for x, y in zip(*got, strict=True):
+        assert torch.equal(x, y)
+
+
 def test_fused_verify_with_a_wrong_pending_count_fails_the_check(env: Env):
     """Negative control: one pending token too many is caught by the same float64 check."""
     b2, pool, idx, corr, kg, first, acc = _two_windows(env, 3, torch.float32, seed=41)
@@ -526,3 +553,21 @@ def test_fused_drift_over_16_windows_with_weak_decay(env: Env):
     ops.commit(ref_pool, rc, rk, A_log.double(), dt_bias.double(), ops.CommitPlan(idx, prev),
                lower_bound=-5.0, record_indices=last, backend="reference")
     assert (pool.double() - ref_pool).abs().max() <= STATE_TOL
+
+
+def test_cuda_rows_per_warp_follows_the_measured_layouts():
+    """Half-width windows (S <= 3) take 16-row warps in the recovery verify at every batch
+    and in the fused verify except at batches of 8..31; longer windows and the full-state
+    verify go to 32 rows as the batch grows."""
+    from vllm_recoverssm.ops import triton_kda
+    from vllm_recoverssm.ops import triton_window as win
+
+    for batch in (1, 8, 32, 256):
+        assert triton_kda.cuda_rows_per_warp(batch, 32, win.RECOVERY, 4) == 16
+    for batch in (1, 4, 32, 128, 256):
+        assert triton_kda.cuda_rows_per_warp(batch, 32, win.FUSED, 4) == 16
+    assert triton_kda.cuda_rows_per_warp(8, 32, win.FUSED, 4) == 32
+    assert triton_kda.cuda_rows_per_warp(4, 32, win.FUSED, 8) == 16
+    assert triton_kda.cuda_rows_per_warp(256, 32, win.FUSED, 8) == 32
+    assert triton_kda.cuda_rows_per_warp(256, 32, win.FULL, 4) == 32
+    assert triton_kda.cuda_rows_per_warp(256, 32, win.RECOVERY, 8) == 32
