@@ -392,9 +392,6 @@ VERIFY_KERNEL_OVERRIDE: str | None = None
 VERIFY_KERNELS = ("cuda", "window", "serial")
 CUDA_ROWS_OVERRIDE: int | None = None
 """CUDA window kernel: rows per warp, 16 or 32."""
-FUSED_HALF_16_ROWS_FROM = 1024
-"""(request, head) pairs from which the fused verify of a half-width window takes 16-row
-warps again (batch 32 at H = 32; see :func:`cuda_rows_per_warp`)."""
 
 
 def _serial_tile(K: int, V: int) -> tuple[int, int, int]:
@@ -472,17 +469,15 @@ def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY,
     The recovery verify of windows of at most 4 tokens (the kernel's half-width product)
     was faster at 16 rows at every batch from 1 to 256 (3% at batch 256, 10% at 32). The
     fused verify of such windows, whose 16-row blocks fit four to an SM, was 2-3% faster
-    at 16 rows from batch 32 to 256, 2-5% slower at batch 8 and even at 16. For
+    at 16 rows from batch 32 to 256, 2-5% slower at batch 8 and level at 16. For
     longer windows, 16 rows were faster up to a batch of 16 (11% at batch 16; at 32, 2%
     faster for one layer but 3% slower over 34 layers in ``recoverssm bench``). The fused
     and full-state verifies otherwise take 16 rows only up to a batch of 4 (at batch 8,
     24-32% slower)."""
     if CUDA_ROWS_OVERRIDE is not None:
         return CUDA_ROWS_OVERRIDE
-    half = ncols <= cuda_window.HALF_WIDTH_COLS
-    if mode == win.RECOVERY and half:
-        return 16
-    if mode == win.FUSED and half and rows * heads >= FUSED_HALF_16_ROWS_FROM:
+    if ncols <= cuda_window.HALF_WIDTH_COLS and (
+            mode == win.RECOVERY or (mode == win.FUSED and rows * heads >= 1024)):
         return 16
     limit = 512 if mode == win.RECOVERY else 128
     return 16 if rows * heads <= limit else 32
