@@ -242,15 +242,23 @@ template <int L, typename F> __device__ __forceinline__ F group_sum(F x) {
 
 // Blocks per SM that an instantiation asks the compiler to fit (its register bound). A
 // block waits on memory and on short chains of dependent products, and more blocks in
-// flight hide both. The recovery verify asks for three (at most 168 registers). The fused
-// verify of a half-width window at 16 rows per warp asks for four: at 126 registers it
-// spills nothing. The other fused and full-state instantiations ask for none: at 16 rows
-// three of their blocks fit an SM as compiled, and at 32 rows a bound of three spilled
-// and was 40% slower (docs/bench/h200-2026-12-01-verify-profile.md).
+// flight hide both. The recovery verify streams its rows (kRecoveryDepth), which frees
+// the registers for four 32-row blocks (128 registers, 16-32 bytes spilled) or five
+// 16-row ones (96 registers; TP = 8 spills 16 bytes, 60 with fp32 activations). The
+// fused verify of a half-width window at 16 rows per warp asks for four: at 126
+// registers it spills nothing. The other fused and full-state instantiations ask for
+// none: at 16 rows three of their blocks fit an SM as compiled, and at 32 rows a bound
+// of three spilled and was 40% slower (docs/bench/h200-2026-12-01-verify-profile.md).
 constexpr int min_blocks_per_sm(int mode, int mt, int tp) {
-  if (mode == kRecovery) return 3;
+  if (mode == kRecovery) return mt == 2 ? 4 : 5;
   return mode == kFused && mt == 1 && tp == 4 ? 4 : 1;
 }
+
+// k-steps of state rows a recovery warp has in flight ahead of the product: it loads four
+// before the prologue and the rest as the product goes, so it holds half its rows at a
+// time. The fused and full-state verifies need every row in registers before the product
+// (the replay and the rebuild), and load them all at once.
+constexpr int kRecoveryDepth = 4;
 
 // One block: 4 warps, 16 * MT rows each, of one (request, head); TP (4 or 8) token slots,
 // so a window of at most four tokens takes half the products.
@@ -309,16 +317,27 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   }
   float* sbase = p.state + slot * p.state_slot + (long long)h * kD * kD;
 
-  // ---- the rows' state, straight into A-fragment order (issued first: the longest wait)
+  // ---- the rows' state, straight into A-fragment order; the recovery verify issues its
+  // first kRecoveryDepth k-steps up front and the rest in the product
   float4 s[MT][2][8];
+  constexpr int kDepth = MODE == kRecovery ? kRecoveryDepth : 8;
+  auto load_step = [&](int m) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float* rp = sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4;
+      for (int hf = 0; hf < 2; ++hf)
+        s[mt][hf][m] = ld4(sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4 + 16 * m);
+  };
+  // Up front means after the per-head loads (k, q, g, beta, v, previous records), so that
+  // the prologue, which waits on them alone, overlaps the rows' flight. The fused verify
+  // of windows longer than kHalfCols issues its rows first instead: holding every row and
+  // the replay's records in 239-254 registers, it was 3-6% slower the other way round
+  // (docs/bench/h200-2026-12-01-verify-profile.md).
+  constexpr bool kHeadLoadsFirst = MODE != kFused || TP == 4;
+  if (!kHeadLoadsFirst) {
 #pragma unroll
-      for (int m = 0; m < 8; ++m) s[mt][hf][m] = ld4(rp + 16 * m);
-    }
+    for (int m = 0; m < kDepth; ++m) load_step(m);
+  }
   // v of tokens 2t4, 2t4+1 for the rows (with TP = 4, lanes t4 >= 2 hold queries: no v)
   float vt[MT][2][2];
 #pragma unroll
@@ -372,6 +391,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
     const T* row = static_cast<const T*>(p.pkg) + prow * p.pkg_row + ((long long)h * W + pt) * 2 * kD + pc;
     VecIO<T, PC>::load(row, pk, pt < plen);
     VecIO<T, PC>::load(row + kD, pg, pt < plen);
+  }
+  if (kHeadLoadsFirst) {
+#pragma unroll
+    for (int m = 0; m < kDepth; ++m) load_step(m);
   }
   if (MODE != kFull && has_rec && blockIdx.x == 0 && plive) {
     T* row = static_cast<T*>(p.kg) + rrow * p.kg_row + ((long long)h * W + pt) * 2 * kD + pc;
@@ -567,6 +590,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
         for (int e = 0; e < 4; ++e) acc2[par][mt][nt][e] = 0.0f;
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
+    if (m + kDepth < 8) load_step(m + kDepth);
     const int c = 16 * m + 4 * t4;
     float4 bh[NT], bl[NT];
 #pragma unroll

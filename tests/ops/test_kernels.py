@@ -557,16 +557,16 @@ def test_fused_drift_over_16_windows_with_weak_decay(env: Env):
 
 def test_cuda_rows_per_warp_follows_the_measured_layouts():
     """Half-width windows (S <= 3) take 16-row warps in the recovery verify at every batch
-    and in the fused verify except at batches of 5 to 31; longer windows and the full-state
-    verify go to 32 rows as the batch grows."""
+    and in the fused verify up to batch 4 and from 16 to 63 (at 32 heads); longer windows
+    and the full-state verify go to 32 rows as the batch grows."""
     from vllm_recoverssm.ops import triton_kda
     from vllm_recoverssm.ops import triton_window as win
 
     for batch in (1, 8, 32, 256):
         assert triton_kda.cuda_rows_per_warp(batch, 32, win.RECOVERY, 4) == 16
-    for batch in (1, 4, 32, 128, 256):
+    for batch in (1, 4, 16, 32, 63):
         assert triton_kda.cuda_rows_per_warp(batch, 32, win.FUSED, 4) == 16
-    for batch in (8, 16, 31):
+    for batch in (5, 8, 15, 64, 128, 256):
         assert triton_kda.cuda_rows_per_warp(batch, 32, win.FUSED, 4) == 32
     assert triton_kda.cuda_rows_per_warp(4, 32, win.FUSED, 8) == 16
     assert triton_kda.cuda_rows_per_warp(256, 32, win.FUSED, 8) == 32
