@@ -256,8 +256,8 @@ constexpr int min_blocks_per_sm(int mode, int mt, int tp) {
 
 // k-steps of state rows a recovery warp has in flight ahead of the product: it loads four
 // before the prologue and the rest as the product goes, so it holds half its rows at a
-// time. The fused and full-state verifies need every row in registers before the product
-// (the replay and the rebuild), and load them all at once.
+// time. The fused and full-state verifies hold every row anyway (the replay before the
+// product, the rebuild after it), and load them all at once.
 constexpr int kRecoveryDepth = 4;
 
 // One block: 4 warps, 16 * MT rows each, of one (request, head); TP (4 or 8) token slots,

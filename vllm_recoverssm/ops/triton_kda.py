@@ -467,16 +467,12 @@ def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY,
 
     Read off ``python -m vllm_recoverssm.bench.tune --variants cuda/`` on an H200 at H = 32.
     The recovery verify of windows of at most 4 tokens (the kernel's half-width product)
-    was faster at 16 rows at every batch from 1 to 128 (2-3% at batch 128, 5% at 32) and
-    level at 256, with its rows streamed (five 16-row or four 32-row blocks per SM). The
-    fused verify of such windows, whose 16-row blocks fit four to an SM, was 0-5% faster at
-    16 rows at batch 16 and 32, but 3-10% slower from batch 64 (since its state loads
-    follow the per-head ones), and at batch 8 1-2% slower with every token accepted, 4%
-    faster with two. For longer windows the recovery verify was faster at 16 rows up to a
-    batch of 8 (5%), level at 32 and 11-14% slower from 128; before the rows were
-    streamed, 16 rows were 11% faster at batch 16, and at 32 3% slower over 34 layers in
-    ``recoverssm bench``. The fused and full-state verifies otherwise take 16 rows only up
-    to a batch of 4 (at batch 8, 24-32% slower)."""
+    was faster at 16 rows from batch 1 to 128 (5% at 32) and level at 256; of longer
+    windows, faster at 16 rows up to batch 8, level at 32 and 11-14% slower from 128
+    (16 rows up to batch 16 keeps the 11% gain measured there before the rows were
+    streamed). The fused verify of half-width windows was 0-5% faster at 16 rows at batch
+    16 and 32 and 3-10% slower from 64; the other fused and full-state verifies take 16
+    rows only up to batch 4 (at batch 8, 24-32% slower)."""
     if CUDA_ROWS_OVERRIDE is not None:
         return CUDA_ROWS_OVERRIDE
     if ncols <= cuda_window.HALF_WIDTH_COLS and (
