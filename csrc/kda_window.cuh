@@ -26,20 +26,16 @@
 
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "kda_math.cuh"
 
 namespace recoverssm {
 
-constexpr int kD = 128;        // head dim, K = V
 constexpr int kTP = 8;         // token slots: S + 1 <= 8
 constexpr int kNP = 16;        // probe columns: 8 keys, then 8 queries
 constexpr int kHalfCols = 4;   // windows up to this wide take TP = 4 (cuda_window.HALF_WIDTH_COLS)
 constexpr int kEPad = kD + 16; // probe row stride in shared memory (conflict-free float4)
 constexpr int kFPad = kD + 4;
 constexpr int kThreads = 128;
-constexpr float kLog2e = 1.44269504088896340736f;
 
 enum Mode { kRecovery = 0, kFull = 1, kFused = 2 };
 
@@ -73,46 +69,6 @@ struct Params {
   float lower_bound;
   float scale;
 };
-
-// ---- the instructions Triton emits for triton_math.gate / unit / apply_record
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float div_full(float a, float b) {
-  float y;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
-__device__ __forceinline__ float sqrt_approx_ftz(float x) {
-  float y;
-  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float tl_exp(float x) { return ex2_approx(__fmul_rn(x, kLog2e)); }
-
-// lower_bound * sigmoid(exp(A_log) * (raw_g + dt_bias))
-__device__ __forceinline__ float log_decay(float raw_g, float a_coef, float dtb, float lb) {
-  float x = __fadd_rn(raw_g, dtb);
-  float e = tl_exp(__fmaf_rn(-a_coef, x, 0.0f));
-  return __fmul_rn(div_full(1.0f, __fadd_rn(e, 1.0f)), lb);
-}
-
-// 1 / the key norm: the float64 sum of squares rounded once, plus eps, square-rooted
-__device__ __forceinline__ float key_norm(double ss) {
-  return sqrt_approx_ftz(__fadd_rn(__double2float_rn(ss), 1e-6f));
-}
-
-__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ void st4(float* p, float4 x) { *reinterpret_cast<float4*>(p) = x; }
-
-template <typename T> __device__ __forceinline__ float to_f(T x);
-template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // tf32 split: hi keeps the top 19 bits, lo = x - hi exactly (the MMA drops lo's low bits)
 __device__ __forceinline__ uint32_t tf32_hi(float x) { return __float_as_uint(x) & 0xffffe000u; }
@@ -176,68 +132,6 @@ __device__ __forceinline__ void mma_pair(float (&d)[4], const SplitA& a, float4 
     mma_tf32(d, a.hi[s][0], a.hi[s][1], a.hi[s][2], a.hi[s][3], bl[s][0], bl[s][1]);
     mma_tf32(d, a.hi[s][0], a.hi[s][1], a.hi[s][2], a.hi[s][3], bh[s][0], bh[s][1]);
   }
-}
-
-// N = 4 or 8 consecutive activations as floats (one 8- or 16-byte load for bf16), zeros
-// if not live
-template <typename T, int N> struct VecIO;
-template <int N> struct VecIO<float, N> {
-  static __device__ __forceinline__ void load(const float* p, float (&x)[N], bool live) {
-    float4 a[N / 4];
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (live) {
-#pragma unroll
-      for (int i = 0; i < N / 4; ++i) a[i] = ld4(p + 4 * i);
-    }
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      x[4 * i] = a[i].x; x[4 * i + 1] = a[i].y; x[4 * i + 2] = a[i].z; x[4 * i + 3] = a[i].w;
-    }
-  }
-  static __device__ __forceinline__ void store(float* p, const float (&x)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) st4(p + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
-  }
-};
-template <int N> struct VecIO<__nv_bfloat16, N> {
-  static_assert(N == 4 || N == 8, "4 or 8 bf16 values per access");
-  static __device__ __forceinline__ void load(const __nv_bfloat16* p, float (&x)[N], bool live) {
-    uint32_t w[N / 2];
-    if constexpr (N == 8) {
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);
-      if (live) u = *reinterpret_cast<const uint4*>(p);
-      w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
-    } else {
-      uint2 u = make_uint2(0u, 0u);
-      if (live) u = *reinterpret_cast<const uint2*>(p);
-      w[0] = u.x; w[1] = u.y;
-    }
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      x[2 * i] = __uint_as_float(w[i] << 16);
-      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-  // exact: the floats were loaded from bf16
-  static __device__ __forceinline__ void store(__nv_bfloat16* p, const float (&x)[N]) {
-    uint32_t w[N / 2];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-      w[i] = (__float_as_uint(x[2 * i]) >> 16) | (__float_as_uint(x[2 * i + 1]) & 0xffff0000u);
-    if constexpr (N == 8) {
-      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-      *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-    }
-  }
-};
-
-// sums over the L lanes (16 or 32) that share a token in the prologue (a fixed xor tree)
-template <int L, typename F> __device__ __forceinline__ F group_sum(F x) {
-#pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
 }
 
 // Blocks per SM that an instantiation asks the compiler to fit (its register bound). A
@@ -416,10 +310,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   VecIO<float, PC>::store(&sG[pt][pc], gl);
   if (MODE == kFull) {
     // the commit's key norm and decay, for rebuilding the states (bit for bit)
-    double ss = 0.0;
-#pragma unroll
-    for (int i = 0; i < PC; ++i) ss += (double)kx[i] * (double)kx[i];
-    const float nrm = key_norm(group_sum<PL>(ss));
+    const float nrm = group_key_norm<PL>(kx);
     float kh[PC], a[PC];
 #pragma unroll
     for (int i = 0; i < PC; ++i) {
@@ -431,19 +322,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   }
   if (MODE == kFused) {
     // the previous step's record pt: its key norm and decay (bit for bit as commit)
-    const bool live = pt < plen;
-    double ss = 0.0;
-#pragma unroll
-    for (int i = 0; i < PC; ++i) ss += (double)pk[i] * (double)pk[i];
-    const float nrm = key_norm(group_sum<PL>(ss));
-    float kh[PC], a[PC];
-#pragma unroll
-    for (int i = 0; i < PC; ++i) {
-      kh[i] = div_full(pk[i], nrm);
-      a[i] = live ? tl_exp(log_decay(pg[i], a_coef, dtb[i], p.lower_bound)) : 1.0f;
-    }
-    VecIO<float, PC>::store(&sKh[pt][pc], kh);
-    VecIO<float, PC>::store(&sA[pt][pc], a);
+    store_record_update<PL>(pk, pg, dtb, a_coef, p.lower_bound, pt < plen, &sKh[pt][pc],
+                            &sA[pt][pc]);
   }
   if (tid < kTP) {
     const int t = tid;
@@ -499,14 +379,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const float c = cprev[j][mt][hf];
-            float4& x = s[mt][hf][m];
-            x.x = __fmaf_rn(c, kh.x, __fmul_rn(x.x, a.x));
-            x.y = __fmaf_rn(c, kh.y, __fmul_rn(x.y, a.y));
-            x.z = __fmaf_rn(c, kh.z, __fmul_rn(x.z, a.z));
-            x.w = __fmaf_rn(c, kh.w, __fmul_rn(x.w, a.w));
-          }
+          for (int hf = 0; hf < 2; ++hf) apply_update(s[mt][hf][m], cprev[j][mt][hf], kh, a);
       }
     }
     if (plen > 0) {
@@ -694,11 +567,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
             float cv = 0.0f;
 #pragma unroll
             for (int u = 0; u < TP; ++u) cv = u == t ? cfull[mt][hf][u] : cv;
-            float4& x = s[mt][hf][m];
-            x.x = __fmaf_rn(cv, kh.x, __fmul_rn(x.x, a.x));
-            x.y = __fmaf_rn(cv, kh.y, __fmul_rn(x.y, a.y));
-            x.z = __fmaf_rn(cv, kh.z, __fmul_rn(x.z, a.z));
-            x.w = __fmaf_rn(cv, kh.w, __fmul_rn(x.w, a.w));
+            apply_update(s[mt][hf][m], cv, kh, a);
           }
       }
       if (dst >= 0) {

@@ -6,7 +6,8 @@ serial one for softplus gates) and ``interp-serial`` (the serial verify everywhe
 the tile that holds K as two chunks, which it picks for K >= 32), then ``gpu`` (CUDA
 tensors at GLM-5.3 TP2 shapes: H=32, K=V=128, the kernels a GPU picks: the CUDA window
 verify where it applies) and ``gpu-triton`` (the Triton window verify on the GPU); the
-GPU ones are marked ``gpu``.
+GPU ones are marked ``gpu``. Both commit with the Triton commit (the kernels' choice); the
+CUDA commit, opt-in, is checked against it in the ``gpu`` environment.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ class Env:
     """``triton_kda.TILE_OVERRIDE`` for the test (None: the kernels' own choice)."""
     kernel: str | None = None
     """``triton_kda.VERIFY_KERNEL_OVERRIDE`` for bounded gates (None: the kernels' choice)."""
+    commit: str | None = None
+    """``triton_kda.COMMIT_KERNEL_OVERRIDE`` (None: the kernels' choice)."""
 
 
 INTERP = Env("cpu", 2, 16, 16, (3, 5))
 INTERP_2CHUNK = Env("cpu", 2, 16, 16, (3, 5), tile=(8, 1, 2), kernel="serial")
 GPU = Env("cuda", 32, 128, 128, (1, 37, 256))
-GPU_TRITON = Env("cuda", 32, 128, 128, (1, 37, 256), kernel="window")
+GPU_TRITON = Env("cuda", 32, 128, 128, (1, 37, 256), kernel="window", commit="triton")
 
 
 def _available(env: Env) -> bool:
@@ -72,6 +75,7 @@ def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Env:
         pytest.skip("needs CUDA" if e.device == "cuda" else "needs TRITON_INTERPRET=1")
     monkeypatch.setattr(triton_kda, "TILE_OVERRIDE", e.tile)
     monkeypatch.setattr(triton_kda, "VERIFY_KERNEL_OVERRIDE", e.kernel)
+    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", e.commit)
     return e
 
 
@@ -400,6 +404,89 @@ def test_commit_token_loops_give_the_same_bits(env: Env, lb: float | None,
                lower_bound=lb, record_indices=ridx, backend="reference")
     assert (got[0].double() - ref).abs().max() <= STATE_TOL
     assert not torch.equal(got[0], pool)
+
+
+@pytest.mark.parametrize("S", [1, 3, 7])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_and_triton_commits_give_the_same_bits(env: Env, S: int, act: torch.dtype,
+                                                    monkeypatch: pytest.MonkeyPatch):
+    """The CUDA commit at each block size against the Triton commit, bit for bit, over
+    several layers whose pools are strided views of bigger pages: records addressed
+    elsewhere, final slots, align boundaries, null rows and rows with nothing accepted."""
+    from vllm_recoverssm.ops import cuda_commit, triton_kda
+
+    if env.device != "cuda" or env.commit is not None:
+        pytest.skip("the CUDA commit runs in the 'gpu' environment")
+    L, batch, dev = 2, env.batches[1], env.device
+    H, K, V, W = env.H, env.K, env.V, S + 1
+    gen = torch.Generator().manual_seed(70 + S)
+    slots = 3 * batch + 2
+    pages = [torch.randn(slots, H * V * K + 64, generator=gen).mul_(0.1).to(dev)
+             for _ in range(L)]
+    corrs = [torch.randn(slots, H, W, V, generator=gen).to(dev) for _ in range(L)]
+    kgs = [torch.randn(slots, H, W, 2 * K, generator=gen).to(act).to(dev) for _ in range(L)]
+    A_log = torch.randn(L, H, generator=gen).mul_(0.5).to(dev)
+    dt_bias = torch.randn(L, H, K, generator=gen).mul_(0.5).to(dev)
+    perm = torch.randperm(slots, generator=gen).to(torch.int32)
+    src, final, bound = perm[:batch], perm[batch: 2 * batch], perm[2 * batch: 3 * batch]
+    clen = torch.randint(0, W + 1, (batch,), generator=gen).to(torch.int32)
+    clen[0] = W
+    blen = torch.randint(1, W + 1, (batch,), generator=gen).to(torch.int32)
+    blen = torch.minimum(blen, clen.clamp(min=1))
+    bound = torch.where(clen >= 1, bound, torch.full_like(bound, -1))
+    final[1] = -1  # a boundary state only
+    src[-1] = -1  # a null row
+    plan = ops.CommitPlan(src.to(dev), clen.to(dev), final.to(dev), bound.to(dev),
+                          blen.to(dev))
+    ridx = torch.randperm(slots, generator=gen)[:batch].to(torch.int32).to(dev)
+
+    def run(kernel: str, rows: int | None) -> list[torch.Tensor]:
+        monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", kernel)
+        monkeypatch.setattr(triton_kda, "CUDA_COMMIT_ROWS_OVERRIDE", rows)
+        out = [p.clone() for p in pages]
+        states = [p[:, : H * V * K].view(slots, H, V, K) for p in out]
+        tables = ops.commit_tables(states, corrs, kgs)
+        assert triton_kda.commit_kernel(tables, plan, -5.0, ridx) == kernel
+        ops.commit(states, corrs, kgs, A_log, dt_bias, plan, lower_bound=-5.0,
+                   record_indices=ridx, backend="triton", tables=tables)
+        return out
+
+    want = run("triton", None)
+    assert not all(torch.equal(w, p) for w, p in zip(want, pages, strict=True))
+    for rows in cuda_commit.ROWS_PER_BLOCK:
+        got = run("cuda", rows)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"{rows} rows per block"
+
+
+def test_commit_kernel_choice_and_its_checks(env: Env, monkeypatch: pytest.MonkeyPatch):
+    """The Triton commit is the kernels' own choice; the CUDA one is taken when asked for
+    where it applies (never off CUDA, nor with a softplus gate or int64 indices), and a
+    forced choice that cannot run is refused by name."""
+    from vllm_recoverssm.ops import cuda_commit, triton_kda
+
+    b, lens, pool, idx, corr, kg, accept = _run_step(env, 3, env.batches[0], -5.0,
+                                                      torch.float32, seed=5)
+    plan = ops.CommitPlan(idx, torch.tensor(accept, dtype=torch.int32, device=env.device))
+    tables = ops.commit_tables(pool, corr, kg)
+    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", None)
+    assert triton_kda.commit_kernel(tables, plan, None, None) == "triton"
+    assert triton_kda.commit_kernel(tables, plan, -5.0, None) == "triton"
+    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", "cuda")
+    wide = ops.CommitPlan(idx.long(), plan.commit_lens)  # int64 indices: Triton only
+    for bad_plan, bound in ((plan, None), (wide, -5.0)):
+        with pytest.raises(ValueError, match="the CUDA commit does not apply"):
+            triton_kda.commit_kernel(tables, bad_plan, bound, None)
+    if env.device == "cuda":
+        assert triton_kda.commit_kernel(tables, plan, -5.0, None) == "cuda"
+    else:
+        with pytest.raises(ValueError, match="the CUDA commit does not apply"):
+            triton_kda.commit_kernel(tables, plan, -5.0, None)
+    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", "cutlass")
+    with pytest.raises(ValueError, match="COMMIT_KERNEL_OVERRIDE: expected one of"):
+        triton_kda.commit_kernel(tables, plan, -5.0, None)
+    for rows in (1, 8, 128, 256, 4096):
+        assert cuda_commit.rows_per_block(rows, 34 * 32) in cuda_commit.ROWS_PER_BLOCK
 
 
 def test_prebuilt_tables_are_used_and_checked(env: Env):

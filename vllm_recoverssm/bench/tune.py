@@ -1,10 +1,11 @@
 """``python -m vllm_recoverssm.bench.tune``: time each kernel variant on one GPU.
 
 Every verify kernel (the CUDA window kernel at 16 and 32 rows per warp, the Triton window
-kernel at a few tiles, the serial Triton kernel), the commit at a few tiles and the fused
-verify, at GLM-5.3 TP2 shapes and one layer, with the bench's method (CUDA-graph replays
-after an L2 flush, medians). The tile heuristics in :mod:`vllm_recoverssm.ops.triton_kda`
-are read off this table; it prints one line per (variant, S, batch) and writes JSON.
+kernel at a few tiles, the serial Triton kernel), the Triton commit at a few tiles and
+loops, the CUDA commit at each block size and the fused verify, at GLM-5.3 TP2 shapes and
+one layer, with the bench's method (CUDA-graph replays after an L2 flush, medians). The
+tile heuristics in :mod:`vllm_recoverssm.ops.triton_kda` are read off this table; it prints
+one line per (variant, S, batch) and writes JSON.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..ops import triton_kda
+from ..ops import cuda_commit, triton_kda
 from . import accounting as acc
 from . import workload as wl
 from .grid import GIB, MIB
@@ -52,9 +53,14 @@ def _variants() -> list[tuple[str, str, dict[str, object]]]:
     out += [("verify", "triton-serial", {"VERIFY_KERNEL_OVERRIDE": "serial"})]
     for ctile in COMMIT_TILES:
         for loop in triton_kda.COMMIT_LOOPS:
-            over = {"COMMIT_TILE_OVERRIDE": ctile, "COMMIT_LOOP_OVERRIDE": loop}
+            over = {"COMMIT_KERNEL_OVERRIDE": "triton", "COMMIT_TILE_OVERRIDE": ctile,
+                    "COMMIT_LOOP_OVERRIDE": loop}
             label = f"commit-{loop}/" + "x".join(map(str, ctile))
             out += [("commit_all", label, over), ("commit_2", label, over)]
+    for rows in cuda_commit.ROWS_PER_BLOCK:
+        over = {"COMMIT_KERNEL_OVERRIDE": "cuda", "CUDA_COMMIT_ROWS_OVERRIDE": rows}
+        out += [("commit_all", f"commit-cuda/{rows}", over),
+                ("commit_2", f"commit-cuda/{rows}", over)]
     return out
 
 

@@ -1,5 +1,8 @@
 """The CUDA window verify (``csrc/kda_window*.cu``): built on first use, called via ctypes.
 
+The same library holds the CUDA commit (``csrc/kda_commit.cu``, launched by
+:mod:`.cuda_commit`).
+
 The kernel computes what :mod:`.triton_window` computes, with the product laid out by hand
 for ``mma.sync`` (see the header of ``csrc/kda_window.cuh``). It is compiled lazily, on a
 CUDA machine only, with PyTorch's extension builder (nvcc and ninja); the sources include
@@ -23,7 +26,7 @@ from .triton_window import FULL, FUSED, RECOVERY, TP, WINDOW_MAX_LOG_DECAY
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("kda_window_entry.cu", "kda_window_recovery.cu", "kda_window_full.cu",
-           "kda_window_fused.cu")
+           "kda_window_fused.cu", "kda_commit.cu")
 HEAD_DIM = 128
 ACT_CODES = {torch.bfloat16: 0, torch.float32: 2}
 HALF_WIDTH_COLS = 4
@@ -43,6 +46,12 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _p, _p, _p, _p, _c_ll, _p, _c_ll, _p,  # sidx, nacc, qsl, corr, stride, kg, stride, ridx
     _p, _c_ll, _p, _c_ll, _p, _p, _p, _p,  # pcorr, stride, pkg, stride, pridx, plen, out, stream
 ]
+# in the order of recoverssm_commit_launch's parameters (csrc/kda_commit.cu)
+_COMMIT_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f,  # act_dtype .. lower_bound
+    _p, _p, _p, _p, _p, _p, _p, _p,  # state, corr, kg tables and strides, A_log, dt_bias
+    _p, _p, _p, _p, _p, _p, _p,  # sidx, clen, fidx, bidx, blen, ridx, stream
+]
 
 
 def _build() -> ctypes.CDLL:
@@ -61,6 +70,9 @@ def _build() -> ctypes.CDLL:
     fn = lib.recoverssm_window_launch
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int
+    commit = lib.recoverssm_commit_launch
+    commit.argtypes = _COMMIT_ARGTYPES
+    commit.restype = ctypes.c_int
     return lib
 
 
@@ -113,7 +125,13 @@ def applies(q: torch.Tensor, state: torch.Tensor, lower_bound: float | None, nco
     return all(t is None or t.dtype == torch.int32 for t in index_tensors)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def unavailable_reason() -> object:
+    """Why :func:`library` gave None (empty before it was first called)."""
+    return _state.get("why")
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes (None: a null pointer)."""
     return None if t is None else t.data_ptr()
 
 
@@ -128,7 +146,7 @@ def launch(
     """One launch of the CUDA window kernel (arguments as :func:`.triton_window.launch_window`)."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"the CUDA window kernel is unavailable: {_state.get('why')}")
+        raise RuntimeError(f"the CUDA window kernel is unavailable: {unavailable_reason()}")
     if mode not in (RECOVERY, FULL, FUSED):
         raise ValueError(f"argument 'mode': expected 0, 1 or 2, got {mode}")
     _, H, _, _ = state.shape
@@ -145,11 +163,11 @@ def launch(
         float(HEAD_DIM ** -0.5),
         q.data_ptr(), k.data_ptr(), v.data_ptr(), raw_g.data_ptr(), raw_beta.data_ptr(),
         a_log.data_ptr(), dtb.data_ptr(), state.data_ptr(), state.stride(0),
-        state_indices.data_ptr(), _ptr(num_accepted), query_start_loc.data_ptr(),
-        _ptr(corrections), corrections.stride(0) if corrections is not None else 0,
-        _ptr(kg), kg.stride(0) if kg is not None else 0, _ptr(record_indices),
-        _ptr(pc), pc.stride(0) if pc is not None else 0,
-        _ptr(pk), pk.stride(0) if pk is not None else 0, _ptr(pr), _ptr(pl),
+        state_indices.data_ptr(), ptr(num_accepted), query_start_loc.data_ptr(),
+        ptr(corrections), corrections.stride(0) if corrections is not None else 0,
+        ptr(kg), kg.stride(0) if kg is not None else 0, ptr(record_indices),
+        ptr(pc), pc.stride(0) if pc is not None else 0,
+        ptr(pk), pk.stride(0) if pk is not None else 0, ptr(pr), ptr(pl),
         out.data_ptr(), stream,
     )
     if err:

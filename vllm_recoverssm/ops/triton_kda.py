@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_window
+from . import cuda_commit, cuda_window
 from . import triton_window as win
 from .api import CommitPlan
 from .triton_math import gate, sumsq
@@ -392,6 +392,11 @@ VERIFY_KERNEL_OVERRIDE: str | None = None
 VERIFY_KERNELS = ("cuda", "window", "serial")
 CUDA_ROWS_OVERRIDE: int | None = None
 """CUDA window kernel: rows per warp, 16 or 32."""
+COMMIT_KERNEL_OVERRIDE: str | None = None
+"""``"cuda"`` or ``"triton"`` instead of :func:`commit_kernel`'s choice."""
+COMMIT_KERNELS = ("cuda", "triton")
+CUDA_COMMIT_ROWS_OVERRIDE: int | None = None
+"""CUDA commit: rows per block, one of :data:`.cuda_commit.ROWS_PER_BLOCK`."""
 
 
 def _serial_tile(K: int, V: int) -> tuple[int, int, int]:
@@ -677,13 +682,37 @@ class CommitTables:
         return self._key == self._identity(states, corrections, kg)
 
 
+def commit_kernel(tables: CommitTables, plan: CommitPlan, lower_bound: float | None,
+                  record_indices: torch.Tensor | None) -> str:
+    """Which commit kernel a call gets: ``"cuda"`` or ``"triton"``.
+
+    The Triton commit unless :data:`COMMIT_KERNEL_OVERRIDE` asks for the CUDA one (where
+    :func:`.cuda_commit.applies`). The CUDA commit stays opt-in until ``bench.tune`` has
+    timed it against the Triton commit on a GPU; both give the same bits, so the choice
+    never changes a state.
+    """
+    index = (plan.state_indices, plan.commit_lens, plan.final_indices,
+             plan.boundary_indices, plan.boundary_lens, record_indices)
+    applies = cuda_commit.applies(tables.states[0], tables.kg[0], lower_bound, tables, index)
+    if COMMIT_KERNEL_OVERRIDE is not None:
+        if COMMIT_KERNEL_OVERRIDE not in COMMIT_KERNELS:
+            raise ValueError(f"COMMIT_KERNEL_OVERRIDE: expected one of {COMMIT_KERNELS}, "
+                             f"got {COMMIT_KERNEL_OVERRIDE!r}")
+        if COMMIT_KERNEL_OVERRIDE == "cuda" and not applies:
+            raise ValueError("COMMIT_KERNEL_OVERRIDE: the CUDA commit does not apply to "
+                             "these pools, records, gate or indices")
+        return COMMIT_KERNEL_OVERRIDE
+    return "triton"
+
+
 def commit_triton(
     states: list[torch.Tensor], corrections: list[torch.Tensor], kg: list[torch.Tensor],
     A_log: torch.Tensor, dt_bias: torch.Tensor, plan: CommitPlan,
     lower_bound: float | None, record_indices: torch.Tensor | None,
     tables: CommitTables | None = None,
 ) -> None:
-    """One launch commits every layer (arguments as :func:`api.commit`)."""
+    """One launch commits every layer (arguments as :func:`api.commit`): the CUDA commit
+    where :func:`commit_kernel` picks it, else the Triton kernel."""
     _check_kernel_dtypes(states[0])
     if kg[0].dtype not in TL_DTYPES:
         raise ValueError(f"argument 'kg': unsupported dtype {kg[0].dtype} for the kernel")
@@ -696,6 +725,12 @@ def commit_triton(
     if tables is None:
         tables = CommitTables(states, corrections, kg)
     ncols = corrections[0].shape[2]
+    if commit_kernel(tables, plan, lower_bound, record_indices) == "cuda":
+        assert lower_bound is not None  # cuda_commit.applies checked it
+        rows = CUDA_COMMIT_ROWS_OVERRIDE or cuda_commit.rows_per_block(N, L * H)
+        cuda_commit.launch(tables, A_log.float().contiguous(), dt_bias.float().contiguous(),
+                           plan, lower_bound, record_indices, ncols, rows)
+        return
     bv, warps, nch = commit_tile(N, L * H, K, V, ncols)
     si = plan.state_indices
     grid = (V // bv, N, L * H)

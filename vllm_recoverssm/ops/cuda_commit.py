@@ -1,0 +1,77 @@
+"""The CUDA commit (``csrc/kda_commit.cu``): every layer's accepted tokens in one launch.
+
+It is written to give :func:`.triton_kda.commit_triton`'s states bit for bit (the same
+instructions for the gate, the key norm and the update; a ``gpu`` test compares them), and
+reads the same per-layer address tables (:class:`.triton_kda.CommitTables`). It is opt-in
+(:data:`.triton_kda.COMMIT_KERNEL_OVERRIDE`) until it has been timed on a GPU. It lives in
+the library of :mod:`.cuda_window` and applies where that builds, for K = V = 128, a
+bounded gate, bfloat16 or float32 records, int32 indices and 16-byte aligned pools.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import cuda_window
+from .api import CommitPlan
+
+if TYPE_CHECKING:
+    from .triton_kda import CommitTables
+
+ROWS_PER_BLOCK = (16, 32, 64)
+"""State rows one block of the kernel replays (of one request, layer and head)."""
+
+
+def applies(state: torch.Tensor, kg: torch.Tensor, lower_bound: float | None,
+            tables: CommitTables, index_tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a commit over these pools can run on the CUDA kernel (without building it)."""
+    if state.device.type != "cuda" or not tables.aligned or lower_bound is None:
+        return False
+    _, _, V, K = state.shape
+    if K != cuda_window.HEAD_DIM or V != cuda_window.HEAD_DIM:
+        return False
+    if kg.dtype not in cuda_window.ACT_CODES or kg.shape[2] > cuda_window.TP:
+        return False
+    return all(t is None or t.dtype == torch.int32 for t in index_tensors)
+
+
+def rows_per_block(rows: int, layer_heads: int) -> int:
+    """Rows per block for ``rows`` requests over ``layer_heads`` (layer, head) pairs.
+
+    Short blocks fill the SMs at small batches; at large ones longer blocks share their
+    per-block record work over more rows. The 4096 split is a first guess, to be read off
+    ``python -m vllm_recoverssm.bench.tune --variants commit-cuda`` on a GPU.
+    """
+    return 16 if rows * layer_heads <= 4096 else 32
+
+
+def launch(tables: CommitTables, A_log: torch.Tensor, dt_bias: torch.Tensor,
+           plan: CommitPlan, lower_bound: float, record_indices: torch.Tensor | None,
+           ncols: int, rows: int) -> None:
+    """One launch of the CUDA commit (arguments as :func:`.triton_kda.commit_triton`;
+    ``A_log`` ``[L, H]`` and ``dt_bias`` ``[L, H, K]`` float32 and contiguous)."""
+    lib = cuda_window.library()
+    if lib is None:
+        raise RuntimeError(f"the CUDA commit is unavailable: {cuda_window.unavailable_reason()}")
+    if rows not in ROWS_PER_BLOCK:
+        raise ValueError(f"argument 'rows': expected one of {ROWS_PER_BLOCK}, got {rows}")
+    state0, kg0 = tables.states[0], tables.kg[0]
+    _, H, _, _ = state0.shape
+    L, N = len(tables.states), plan.num_rows
+    if N == 0:
+        return
+    ptr = cuda_window.ptr
+    stream = torch.cuda.current_stream(state0.device).cuda_stream
+    err = lib.recoverssm_commit_launch(
+        cuda_window.ACT_CODES[kg0.dtype], rows, N, L, H, ncols, float(lower_bound),
+        tables.state_ptrs.data_ptr(), tables.state_strides.data_ptr(),
+        tables.corr_ptrs.data_ptr(), tables.corr_strides.data_ptr(),
+        tables.kg_ptrs.data_ptr(), tables.kg_strides.data_ptr(),
+        A_log.data_ptr(), dt_bias.data_ptr(), plan.state_indices.data_ptr(),
+        plan.commit_lens.data_ptr(), ptr(plan.final_indices), ptr(plan.boundary_indices),
+        ptr(plan.boundary_lens), ptr(record_indices), stream,
+    )
+    if err:
+        raise RuntimeError(f"CUDA commit launch failed: cudaError {err}")
