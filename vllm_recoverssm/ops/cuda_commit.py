@@ -27,14 +27,8 @@ ROWS_PER_BLOCK = (16, 32, 64)
 def applies(state: torch.Tensor, kg: torch.Tensor, lower_bound: float | None,
             tables: CommitTables, index_tensors: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether a commit over these pools can run on the CUDA kernel (without building it)."""
-    if state.device.type != "cuda" or not tables.aligned or lower_bound is None:
-        return False
-    _, _, V, K = state.shape
-    if K != cuda_window.HEAD_DIM or V != cuda_window.HEAD_DIM:
-        return False
-    if kg.dtype not in cuda_window.ACT_CODES or kg.shape[2] > cuda_window.TP:
-        return False
-    return all(t is None or t.dtype == torch.int32 for t in index_tensors)
+    return (lower_bound is not None and tables.aligned
+            and cuda_window.library_serves(state, kg.dtype, kg.shape[2], index_tensors))
 
 
 def rows_per_block(rows: int, layer_heads: int) -> int:

@@ -104,6 +104,19 @@ def library() -> ctypes.CDLL | None:
         return lib
 
 
+def library_serves(state: torch.Tensor, act_dtype: torch.dtype, ncols: int,
+                   index_tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """What every kernel of the library needs (the verify and the commit alike): a CUDA
+    state pool with K = V = 128, bfloat16 or float32 activations, at most :data:`TP`
+    token columns, int32 indices, and the library not turned off by :data:`DISABLE_ENV`."""
+    if state.device.type != "cuda" or os.environ.get(DISABLE_ENV) == "0":
+        return False
+    _, _, V, K = state.shape
+    if K != HEAD_DIM or V != HEAD_DIM or act_dtype not in ACT_CODES or ncols > TP:
+        return False
+    return all(t is None or t.dtype == torch.int32 for t in index_tensors)
+
+
 def applies(q: torch.Tensor, state: torch.Tensor, lower_bound: float | None, ncols: int,
             index_tensors: tuple[torch.Tensor | None, ...],
             vector_tensors: tuple[torch.Tensor | None, ...] = ()) -> bool:
@@ -112,17 +125,12 @@ def applies(q: torch.Tensor, state: torch.Tensor, lower_bound: float | None, nco
     ``vector_tensors`` are read or written 16 bytes at a time (keys, queries, gates, the
     kg records, the state): their base addresses must be 16-byte aligned.
     """
-    if state.device.type != "cuda" or os.environ.get(DISABLE_ENV) == "0":
-        return False
-    _, _, V, K = state.shape
-    if K != HEAD_DIM or V != HEAD_DIM or q.dtype not in ACT_CODES or ncols > TP:
+    if not library_serves(state, q.dtype, ncols, index_tensors):
         return False
     if lower_bound is None or abs(lower_bound) * ncols > WINDOW_MAX_LOG_DECAY:
         return False
-    if state.stride(0) % 4 or any(t is not None and t.data_ptr() % 16
-                                  for t in (state, q, *vector_tensors)):
-        return False
-    return all(t is None or t.dtype == torch.int32 for t in index_tensors)
+    return not (state.stride(0) % 4 or any(t is not None and t.data_ptr() % 16
+                                           for t in (state, q, *vector_tensors)))
 
 
 def unavailable_reason() -> object:

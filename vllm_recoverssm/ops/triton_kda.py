@@ -691,18 +691,18 @@ def commit_kernel(tables: CommitTables, plan: CommitPlan, lower_bound: float | N
     timed it against the Triton commit on a GPU; both give the same bits, so the choice
     never changes a state.
     """
+    if COMMIT_KERNEL_OVERRIDE is None:
+        return "triton"
+    if COMMIT_KERNEL_OVERRIDE not in COMMIT_KERNELS:
+        raise ValueError(f"COMMIT_KERNEL_OVERRIDE: expected one of {COMMIT_KERNELS}, "
+                         f"got {COMMIT_KERNEL_OVERRIDE!r}")
     index = (plan.state_indices, plan.commit_lens, plan.final_indices,
              plan.boundary_indices, plan.boundary_lens, record_indices)
-    applies = cuda_commit.applies(tables.states[0], tables.kg[0], lower_bound, tables, index)
-    if COMMIT_KERNEL_OVERRIDE is not None:
-        if COMMIT_KERNEL_OVERRIDE not in COMMIT_KERNELS:
-            raise ValueError(f"COMMIT_KERNEL_OVERRIDE: expected one of {COMMIT_KERNELS}, "
-                             f"got {COMMIT_KERNEL_OVERRIDE!r}")
-        if COMMIT_KERNEL_OVERRIDE == "cuda" and not applies:
-            raise ValueError("COMMIT_KERNEL_OVERRIDE: the CUDA commit does not apply to "
-                             "these pools, records, gate or indices")
-        return COMMIT_KERNEL_OVERRIDE
-    return "triton"
+    if COMMIT_KERNEL_OVERRIDE == "cuda" and not cuda_commit.applies(
+            tables.states[0], tables.kg[0], lower_bound, tables, index):
+        raise ValueError("COMMIT_KERNEL_OVERRIDE: the CUDA commit does not apply to these "
+                         "pools, records, gate or indices")
+    return COMMIT_KERNEL_OVERRIDE
 
 
 def commit_triton(
