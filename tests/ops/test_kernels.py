@@ -460,7 +460,8 @@ def test_cuda_and_triton_commits_give_the_same_bits(env: Env, S: int, act: torch
 
 
 def test_commit_kernel_choice_and_its_checks(env: Env, monkeypatch: pytest.MonkeyPatch):
-    """The Triton commit is the kernels' own choice; the CUDA one is taken when asked for
+    """The Triton commit is the kernels' own choice for short windows and few programs,
+    the CUDA one (on CUDA only) for long windows over many; it is taken when asked for
     where it applies (never off CUDA, nor with a softplus gate or int64 indices), and a
     forced choice that cannot run is refused by name."""
     from vllm_recoverssm.ops import cuda_commit, triton_kda
@@ -487,6 +488,22 @@ def test_commit_kernel_choice_and_its_checks(env: Env, monkeypatch: pytest.Monke
         triton_kda.commit_kernel(tables, plan, -5.0, None)
     for rows in (1, 8, 128, 256, 4096):
         assert cuda_commit.rows_per_block(rows, 34 * 32) in cuda_commit.ROWS_PER_BLOCK
+
+    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", None)
+    many = -(-cuda_commit.MIN_PROGRAMS // env.H)  # requests that reach MIN_PROGRAMS
+    for W, N, fast in ((cuda_commit.MIN_COLUMNS, many, True),
+                       (cuda_commit.MIN_COLUMNS, many - 1, False),
+                       (cuda_commit.MIN_COLUMNS - 1, many, False)):
+        assert cuda_commit.preferred(W, N * env.H) is fast
+        states = torch.zeros(N, env.H, env.V, env.K, device=env.device)
+        window = ops.commit_tables(states, torch.zeros(N, env.H, W, env.V, device=env.device),
+                                   torch.zeros(N, env.H, W, 2 * env.K, device=env.device))
+        rows = torch.arange(N, dtype=torch.int32, device=env.device)
+        lens = torch.full((N,), W, dtype=torch.int32, device=env.device)
+        want = "cuda" if fast and env.device == "cuda" else "triton"
+        assert triton_kda.commit_kernel(window, ops.CommitPlan(rows, lens), -5.0, None) == want
+        assert triton_kda.commit_kernel(window, ops.CommitPlan(rows, lens), None, None) \
+            == "triton"
 
 
 def test_prebuilt_tables_are_used_and_checked(env: Env):

@@ -2,10 +2,11 @@
 
 It is written to give :func:`.triton_kda.commit_triton`'s states bit for bit (the same
 instructions for the gate, the key norm and the update; a ``gpu`` test compares them), and
-reads the same per-layer address tables (:class:`.triton_kda.CommitTables`). It is opt-in
-(:data:`.triton_kda.COMMIT_KERNEL_OVERRIDE`) until it has been timed on a GPU. It lives in
-the library of :mod:`.cuda_window` and applies where that builds, for K = V = 128, a
-bounded gate, bfloat16 or float32 records, int32 indices and 16-byte aligned pools.
+reads the same per-layer address tables (:class:`.triton_kda.CommitTables`).
+:func:`.triton_kda.commit_kernel` takes it where :func:`preferred` says it was the faster
+on an H200. It lives in the library of :mod:`.cuda_window` and applies where that builds,
+for K = V = 128, a bounded gate, bfloat16 or float32 records, int32 indices and 16-byte
+aligned pools.
 """
 
 from __future__ import annotations
@@ -31,14 +32,33 @@ def applies(state: torch.Tensor, kg: torch.Tensor, lower_bound: float | None,
             and cuda_window.library_serves(state, kg.dtype, kg.shape[2], index_tensors))
 
 
+MIN_COLUMNS = 8
+"""Window length (S + 1) from which the CUDA commit is preferred. On an H200 (``python -m
+vllm_recoverssm.bench.tune --ops commit_all,commit_2``, 2026-12-05), with all 8 tokens of
+S = 7 accepted it took 0.85-0.88 of the Triton commit's time at a batch of 128-256
+(32 heads, one layer), from sharing each record's key norm and decay over a block's rows;
+with 2 accepted 1.005-1.017; at S = 3 it was nowhere faster (1.00-1.13)."""
+MIN_PROGRAMS = 4096
+"""(request, layer, head) triples from which the CUDA commit is preferred: below, at a
+batch of 8-32 with one layer, the Triton commit's one-warp programs fill the SMs better
+(CUDA 1.04-1.16 of its time with 2 tokens accepted)."""
+
+
+def preferred(ncols: int, programs: int) -> bool:
+    """Whether the CUDA commit is the faster for windows of ``ncols`` tokens over
+    ``programs`` (request, layer, head) triples (see :data:`MIN_COLUMNS`)."""
+    return ncols >= MIN_COLUMNS and programs >= MIN_PROGRAMS
+
+
 def rows_per_block(rows: int, layer_heads: int) -> int:
     """Rows per block for ``rows`` requests over ``layer_heads`` (layer, head) pairs.
 
     Short blocks fill the SMs at small batches; at large ones longer blocks share their
-    per-block record work over more rows. The 4096 split is a first guess, to be read off
-    ``python -m vllm_recoverssm.bench.tune --variants commit-cuda`` on a GPU.
+    per-block record work over more rows (H200, S = 7, one layer of 32 heads: 32 rows took
+    0.85 / 0.88 of the Triton commit's time at a batch of 128 / 256, 16 rows 0.90 / 0.94,
+    64 rows 0.93; at a batch of 1-32, 16 rows were the fastest or tied).
     """
-    return 16 if rows * layer_heads <= 4096 else 32
+    return 16 if rows * layer_heads < MIN_PROGRAMS else 32
 
 
 def launch(tables: CommitTables, A_log: torch.Tensor, dt_bias: torch.Tensor,

@@ -686,23 +686,30 @@ def commit_kernel(tables: CommitTables, plan: CommitPlan, lower_bound: float | N
                   record_indices: torch.Tensor | None) -> str:
     """Which commit kernel a call gets: ``"cuda"`` or ``"triton"``.
 
-    The Triton commit unless :data:`COMMIT_KERNEL_OVERRIDE` asks for the CUDA one (where
-    :func:`.cuda_commit.applies`). The CUDA commit stays opt-in until ``bench.tune`` has
-    timed it against the Triton commit on a GPU; both give the same bits, so the choice
-    never changes a state.
+    :data:`COMMIT_KERNEL_OVERRIDE` where set (a forced CUDA commit that does not apply is
+    refused by name); else the CUDA commit for windows of :data:`.cuda_commit.MIN_COLUMNS`
+    or more tokens over at least :data:`.cuda_commit.MIN_PROGRAMS` (request, layer, head)
+    triples, where :func:`.cuda_commit.applies` and the library builds, and the Triton
+    commit elsewhere. Both give the same bits, so the choice never changes a state.
     """
-    if COMMIT_KERNEL_OVERRIDE is None:
-        return "triton"
-    if COMMIT_KERNEL_OVERRIDE not in COMMIT_KERNELS:
-        raise ValueError(f"COMMIT_KERNEL_OVERRIDE: expected one of {COMMIT_KERNELS}, "
-                         f"got {COMMIT_KERNEL_OVERRIDE!r}")
     index = (plan.state_indices, plan.commit_lens, plan.final_indices,
              plan.boundary_indices, plan.boundary_lens, record_indices)
-    if COMMIT_KERNEL_OVERRIDE == "cuda" and not cuda_commit.applies(
-            tables.states[0], tables.kg[0], lower_bound, tables, index):
-        raise ValueError("COMMIT_KERNEL_OVERRIDE: the CUDA commit does not apply to these "
-                         "pools, records, gate or indices")
-    return COMMIT_KERNEL_OVERRIDE
+    if COMMIT_KERNEL_OVERRIDE is not None:
+        if COMMIT_KERNEL_OVERRIDE not in COMMIT_KERNELS:
+            raise ValueError(f"COMMIT_KERNEL_OVERRIDE: expected one of {COMMIT_KERNELS}, "
+                             f"got {COMMIT_KERNEL_OVERRIDE!r}")
+        if COMMIT_KERNEL_OVERRIDE == "cuda" and not cuda_commit.applies(
+                tables.states[0], tables.kg[0], lower_bound, tables, index):
+            raise ValueError("COMMIT_KERNEL_OVERRIDE: the CUDA commit does not apply to "
+                             "these pools, records, gate or indices")
+        return COMMIT_KERNEL_OVERRIDE
+    ncols = tables.kg[0].shape[2]
+    programs = plan.num_rows * len(tables.states) * tables.states[0].shape[1]
+    if cuda_commit.preferred(ncols, programs) and cuda_commit.applies(
+            tables.states[0], tables.kg[0], lower_bound, tables, index) \
+            and cuda_window.library() is not None:
+        return "cuda"
+    return "triton"
 
 
 def commit_triton(
