@@ -137,8 +137,9 @@ __device__ __forceinline__ void mma_pair(float (&d)[4], const SplitA& a, float4 
 // Blocks per SM that an instantiation asks the compiler to fit (its register bound). A
 // block waits on memory and on short chains of dependent products, and more blocks in
 // flight hide both. The recovery verify streams its rows (kRecoveryDepth), which frees
-// the registers for four 32-row blocks (128 registers, 16-32 bytes spilled) or five
-// 16-row ones (96 registers; TP = 8 spills 16 bytes, 60 with fp32 activations). The
+// the registers for four 32-row blocks (128 registers) or five 16-row ones (96), for a
+// few dozen spilled bytes (`recoverssm kernel-resources` prints them per compiler and
+// architecture; tests/ops/test_cuda_resources.py holds every kernel to its budget). The
 // fused verify of a half-width window at 16 rows per warp asks for four: at 126
 // registers it spills nothing. The other fused and full-state instantiations ask for
 // none: at 16 rows three of their blocks fit an SM as compiled, and at 32 rows a bound

@@ -28,12 +28,14 @@ BASE = {
     "check": ["--gpu-capability", "9.0", "--kernel-backend", "triton"],
     "demo": ["--device", "cpu", "--model", "test"],
     "kernel-check": [],
+    "kernel-resources": ["--no-progress"],
     "bench": ["--smoke"],
     "checkpoints gc": [],
 }
 RUNS_FULLY = {"plan", "check"}  # cheap enough to run main() on every fuzzed value
 MODULES = {
     "plan": "plan", "check": "check", "demo": "demo", "kernel-check": "kernel_check",
+    "kernel-resources": "kernel_resources",
     "bench": "bench", "checkpoints gc": "checkpoints",
 }
 

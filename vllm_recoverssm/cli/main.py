@@ -20,6 +20,7 @@ __all__ = ["COMMAND_MODULES", "UsageError", "build_parser", "main"]
 COMMAND_MODULES: tuple[str, ...] = (
     "vllm_recoverssm.cli.demo",
     "vllm_recoverssm.cli.kernel_check",
+    "vllm_recoverssm.cli.kernel_resources",
     "vllm_recoverssm.cli.bench",
     "vllm_recoverssm.cli.plan",
     "vllm_recoverssm.cli.check",

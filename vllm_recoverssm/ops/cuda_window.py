@@ -32,6 +32,8 @@ ACT_CODES = {torch.bfloat16: 0, torch.float32: 2}
 HALF_WIDTH_COLS = 4
 """Windows of at most this many columns (S <= 3) take the kernel's half-width product:
 4 token slots, half the tensor-core products (``kHalfCols`` in ``csrc/kda_window.cuh``)."""
+NVCC_FLAGS = ("-O3", "-std=c++17")
+"""nvcc flags of the library's build (also :mod:`.cuda_resources`' report of it)."""
 DISABLE_ENV = "RECOVERSSM_CUDA_WINDOW"
 """Set to ``0`` to keep the Triton window kernel on CUDA devices (comparisons, debugging)."""
 
@@ -62,7 +64,7 @@ def _build() -> ctypes.CDLL:
     path = load(
         name="recoverssm_window",
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cuda_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=list(NVCC_FLAGS),
         is_python_module=False,
         verbose=False,
     )
