@@ -144,16 +144,50 @@ __device__ __forceinline__ void mma_pair(float (&d)[4], const SplitA& a, float4 
 // registers it spills nothing. The other fused and full-state instantiations ask for
 // none: at 16 rows three of their blocks fit an SM as compiled, and at 32 rows a bound
 // of three spilled and was 40% slower (docs/bench/h200-2026-12-01-verify-profile.md).
+//
+// Each bound, and kRecoveryDepth, can be replaced at build time for a tuning sweep
+// (RECOVERSSM_<name>, set through cuda_window.DEFINES_ENV; cuda_window.TUNING_DEFINES
+// lists the names, their ranges and these defaults).
+#ifndef RECOVERSSM_RECOVERY_BLOCKS_16
+#define RECOVERSSM_RECOVERY_BLOCKS_16 5
+#endif
+#ifndef RECOVERSSM_RECOVERY_BLOCKS_32
+#define RECOVERSSM_RECOVERY_BLOCKS_32 4
+#endif
+#ifndef RECOVERSSM_FUSED_BLOCKS_16_TP4
+#define RECOVERSSM_FUSED_BLOCKS_16_TP4 4
+#endif
+#ifndef RECOVERSSM_FUSED_BLOCKS_16_TP8
+#define RECOVERSSM_FUSED_BLOCKS_16_TP8 1
+#endif
+#ifndef RECOVERSSM_FUSED_BLOCKS_32
+#define RECOVERSSM_FUSED_BLOCKS_32 1
+#endif
+#ifndef RECOVERSSM_FULL_BLOCKS_16
+#define RECOVERSSM_FULL_BLOCKS_16 1
+#endif
+#ifndef RECOVERSSM_FULL_BLOCKS_32
+#define RECOVERSSM_FULL_BLOCKS_32 1
+#endif
+#ifndef RECOVERSSM_RECOVERY_DEPTH
+#define RECOVERSSM_RECOVERY_DEPTH 4
+#endif
+
 constexpr int min_blocks_per_sm(int mode, int mt, int tp) {
-  if (mode == kRecovery) return mt == 2 ? 4 : 5;
-  return mode == kFused && mt == 1 && tp == 4 ? 4 : 1;
+  if (mode == kRecovery) return mt == 2 ? RECOVERSSM_RECOVERY_BLOCKS_32 : RECOVERSSM_RECOVERY_BLOCKS_16;
+  if (mode == kFused) {
+    if (mt == 2) return RECOVERSSM_FUSED_BLOCKS_32;
+    return tp == 4 ? RECOVERSSM_FUSED_BLOCKS_16_TP4 : RECOVERSSM_FUSED_BLOCKS_16_TP8;
+  }
+  return mt == 2 ? RECOVERSSM_FULL_BLOCKS_32 : RECOVERSSM_FULL_BLOCKS_16;
 }
 
 // k-steps of state rows a recovery warp has in flight ahead of the product: it loads four
 // before the prologue and the rest as the product goes, so it holds half its rows at a
 // time. The fused and full-state verifies hold every row anyway (the replay before the
 // product, the rebuild after it), and load them all at once.
-constexpr int kRecoveryDepth = 4;
+constexpr int kRecoveryDepth = RECOVERSSM_RECOVERY_DEPTH;
+static_assert(kRecoveryDepth >= 1 && kRecoveryDepth <= 8, "RECOVERSSM_RECOVERY_DEPTH: 1..8");
 
 // One block: 4 warps, 16 * MT rows each, of one (request, head); TP (4 or 8) token slots,
 // so a window of at most four tokens takes half the products.

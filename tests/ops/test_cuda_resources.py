@@ -8,12 +8,14 @@ arithmetic are tested on fixed ptxas text everywhere.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from vllm_recoverssm.cli.main import main
 from vllm_recoverssm.ops import cuda_resources as cr
+from vllm_recoverssm.ops import cuda_window as cw
 
 NVCC = cr.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -159,3 +161,63 @@ def test_cli_without_nvcc_says_so(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("NVCC", "/nonexistent/nvcc")
     assert main(["kernel-resources", "--no-progress"]) == 1
     assert "nvcc" in capsys.readouterr().err
+
+
+# ---- tuning variants (build-time overrides of the launch bounds and the row depth)
+
+def test_tuning_overrides_are_checked() -> None:
+    assert cw.parse_defines("") == ()
+    assert cw.parse_defines(" recovery_depth=2, RECOVERSSM_FULL_BLOCKS_16 = 3 ") == (
+        ("FULL_BLOCKS_16", 3), ("RECOVERY_DEPTH", 2))
+    for bad, why in [("NOPE=1", "NAME one of"), ("RECOVERY_DEPTH", "NAME one of"),
+                     ("RECOVERY_DEPTH=0", "1..8"), ("RECOVERY_DEPTH=9", "1..8"),
+                     ("RECOVERY_DEPTH=2.5", "1..8"), ("RECOVERY_DEPTH=1,RECOVERY_DEPTH=2",
+                                                      "twice")]:
+        with pytest.raises(ValueError, match=f"{cw.DEFINES_ENV}: .*{re.escape(why)}"):
+            cw.parse_defines(bad)
+    assert cw.define_flags((("RECOVERY_DEPTH", 2),)) == ["-DRECOVERSSM_RECOVERY_DEPTH=2"]
+    names = {cw.library_name(d) for d in [(), (("RECOVERY_DEPTH", 2),),
+                                          (("RECOVERY_DEPTH", 3),),
+                                          (("FULL_BLOCKS_16", 2), ("RECOVERY_DEPTH", 2))]}
+    assert len(names) == 4 and cw.library_name(()) == "recoverssm_window"
+
+
+def test_a_bad_override_stops_the_library_with_its_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cw, "_state", {})
+    monkeypatch.setenv(cw.DEFINES_ENV, "RECOVERY_DEPTH=0")
+    with pytest.raises(ValueError, match="RECOVERSSM_CUDA_DEFINES: RECOVERY_DEPTH"):
+        cw.library()
+    assert cw._state == {}  # nothing cached: the next call reads the variable again
+
+
+@needs_nvcc
+def test_overrides_reach_the_compiler() -> None:
+    def by_role(found: list[cr.KernelResources]) -> dict[cr.KernelRole, cr.KernelResources]:
+        return {r.describe(): r for r in found}
+
+    fused = cr.KernelRole("verify", "fused", 16, 8, "bfloat16")
+    base = by_role(cr.compile_report("sm_90", sources=("kda_window_fused.cu",)))
+    four = by_role(cr.compile_report("sm_90", sources=("kda_window_fused.cu",),
+                                     defines=(("FUSED_BLOCKS_16_TP8", 4),)))
+    assert cr.blocks_per_sm(base[fused], "sm_90") == 3
+    assert four[fused].registers <= 128 and cr.blocks_per_sm(four[fused], "sm_90") == 4
+    # the other fused instantiations (32 rows, or half-width windows) keep their build
+    def others(d: dict[cr.KernelRole, cr.KernelResources]) -> dict[cr.KernelRole, object]:
+        return {k: v for k, v in d.items() if (k.rows_per_warp, k.token_slots) != (16, 8)}
+
+    assert len(others(base)) == 6 and others(four) == others(base)
+
+
+@needs_nvcc
+def test_cli_reports_a_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "v.json"
+    assert main(["kernel-resources", "--no-progress", "--define", "recovery_depth=8",
+                 "--json", str(out)]) == 0
+    assert "RECOVERY_DEPTH=8" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["defines"] == {"RECOVERY_DEPTH": 8}
+    deep = [k for k in doc["kernels"] if k["role"]["mode"] == "recovery"
+            and k["role"]["rows_per_warp"] == 32 and k["role"]["token_slots"] == 8]
+    # all eight k-steps of 32 rows in flight do not fit 128 registers
+    assert deep and all(k["spill_store_bytes"] > RECOVERY_SPILL_BUDGET for k in deep)

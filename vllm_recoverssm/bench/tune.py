@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..ops import cuda_commit, triton_kda
+from ..ops import cuda_commit, cuda_window, triton_kda
 from . import accounting as acc
 from . import workload as wl
 from .grid import GIB, MIB
@@ -84,6 +85,10 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
     moved, roof_t = measure_roof(timer, 2 * GIB)
     roof = acc.gbps(moved, roof_t.median_ms)
     out(f"roof {roof:.0f} GB/s on {torch.cuda.get_device_name(dev)}")
+    # a tuning variant of the CUDA library (cuda_window.DEFINES_ENV) is part of the result
+    defines = dict(cuda_window.parse_defines(os.environ.get(cuda_window.DEFINES_ENV, "")))
+    out("CUDA library: " + (", ".join(f"{k}={v}" for k, v in defines.items())
+                            or "the default build"))
     rows: list[dict[str, Any]] = []
     for S in num_spec:
         for B in batches:
@@ -109,7 +114,8 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
                 out(f"S={S} B={B:>3} {op:<10} {label:<24} {t.median_ms:9.4f} ms "
                     f"{gb:7.0f} GB/s {100 * gb / roof:4.0f}%")
             torch.cuda.empty_cache()
-    return {"roof_gbps": roof, "device": torch.cuda.get_device_name(dev), "rows": rows}
+    return {"roof_gbps": roof, "device": torch.cuda.get_device_name(dev),
+            "cuda_defines": defines, "rows": rows}
 
 
 @contextmanager

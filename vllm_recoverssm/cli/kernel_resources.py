@@ -14,8 +14,8 @@ import json
 import sys
 from dataclasses import asdict
 
-from ..ops import cuda_resources
-from .args import Choice, OutputFile
+from ..ops import cuda_resources, cuda_window
+from .args import Choice, OutputFile, Validator, flag_error
 from .text import table
 
 DEFAULT_ARCH = "sm_90"
@@ -39,8 +39,49 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         f"{', '.join(cuda_resources.ARCHES)})")
     p.add_argument("--json", type=OutputFile("the JSON report"), default=None, metavar="PATH",
                    help="also write the report as JSON to this file")
+    p.add_argument("--define", type=TuningDefine(), action="append", default=[],
+                   metavar="NAME=VALUE",
+                   help="build a tuning variant: a launch bound or the recovery row depth "
+                        "(repeatable; names: " + ", ".join(cuda_window.TUNING_DEFINES) + ")")
     p.add_argument("--no-progress", action="store_true", help="do not report each compile")
     p.set_defaults(func=run)
+
+
+class TuningDefine(Validator):
+    """One ``NAME=VALUE`` override of :data:`.cuda_window.TUNING_DEFINES`."""
+
+    expected = "NAME=VALUE, a name of the tuning overrides with an integer in its range"
+
+    def parse(self, text: str) -> tuple[str, int]:
+        try:
+            pairs = cuda_window.parse_defines(text, source="--define")
+        except ValueError as exc:
+            raise self.fail(text, str(exc).partition(": ")[2]) from None
+        if len(pairs) != 1:
+            raise self.fail(text, "one override per --define")
+        return pairs[0]
+
+    def samples(self) -> list[str]:
+        """Each name at its bounds and past them, and malformed pairs."""
+        out = []
+        for name, (_, lo, hi) in cuda_window.TUNING_DEFINES.items():
+            out += [f"{name}={lo}", f"{name}={hi}", f"{name}={lo - 1}", f"{name}={hi + 1}"]
+        return out + ["RECOVERY_DEPTH", "NOPE=1", "RECOVERY_DEPTH=x",
+                      "RECOVERY_DEPTH=2,FULL_BLOCKS_16=2"] + super().samples()
+
+
+def _defines(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """The --define pairs, checked together (a name given twice is refused)."""
+    text = ",".join(f"{name}={value}" for name, value in args.define)
+    try:
+        return cuda_window.parse_defines(text, source="--define")
+    except ValueError as exc:
+        raise flag_error("--define", str(exc).partition(": ")[2]) from None
+
+
+def validate(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """The checked overrides (``UsageError`` naming --define otherwise)."""
+    return _defines(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"kernel-resources: {msg}", file=sys.stderr, flush=True)
 
+    defines = validate(args)
     try:
         found = cuda_resources.compile_report(
-            args.arch, progress=None if args.no_progress else progress)
+            args.arch, defines=defines, progress=None if args.no_progress else progress)
     except (FileNotFoundError, RuntimeError) as exc:
         print(f"recoverssm kernel-resources: {exc}", file=sys.stderr)
         return 1
@@ -60,10 +102,11 @@ def run(args: argparse.Namespace) -> int:
         rows.append((role.op, role.mode or "-", role.rows_per_warp, role.token_slots or "-",
                      role.act_dtype, res.registers, res.spill_bytes, res.stack_bytes,
                      res.smem_bytes / 1024, cuda_resources.blocks_per_sm(res, args.arch)))
-    print(f"CUDA kernels compiled for {args.arch} (128 threads per block)")
+    variant = ", ".join(f"{n}={v}" for n, v in defines) or "the default build"
+    print(f"CUDA kernels compiled for {args.arch} (128 threads per block; {variant})")
     print("\n".join(table(COLUMNS, rows)))
     if args.json is not None:
-        doc = {"arch": args.arch,
+        doc = {"arch": args.arch, "defines": dict(defines),
                "kernels": [{**asdict(r), "role": asdict(r.describe()),
                             "blocks_per_sm": cuda_resources.blocks_per_sm(r, args.arch)}
                            for r in found]}

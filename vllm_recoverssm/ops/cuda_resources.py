@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cuda_window import CSRC, NVCC_FLAGS, SOURCES
+from .cuda_window import CSRC, NVCC_FLAGS, SOURCES, define_flags
 
 __all__ = [
     "ARCHES", "KernelResources", "KernelRole", "SmLimits", "UnknownKernelName", "blocks_per_sm",
@@ -210,10 +210,11 @@ def parse_ptxas(text: str) -> list[KernelResources]:
 
 
 def compile_report(arch: str, *, nvcc: str | None = None, sources: Sequence[str] = SOURCES,
-                   csrc: Path = CSRC,
+                   csrc: Path = CSRC, defines: tuple[tuple[str, int], ...] = (),
                    progress: Callable[[str], None] | None = None) -> list[KernelResources]:
     """Compile ``sources`` (file names under ``csrc``) for ``arch`` with the library's own
-    flags and return every kernel instantiation ptxas reports.
+    flags, plus ``defines`` (checked pairs of :func:`.cuda_window.parse_defines`: a tuning
+    variant), and return every kernel instantiation ptxas reports.
 
     Raises ``FileNotFoundError`` without nvcc, ``ValueError`` for an architecture the
     report has no SM limits for, and ``RuntimeError`` (with the compiler's output) when a
@@ -229,8 +230,8 @@ def compile_report(arch: str, *, nvcc: str | None = None, sources: Sequence[str]
         for src in sources:
             if progress is not None:
                 progress(f"compiling {src} for {arch}")
-            cmd = [exe, f"-arch={arch}", *NVCC_FLAGS, "-Xptxas", "-v", "-c",
-                   str(csrc / src), "-o", str(Path(tmp) / (Path(src).stem + ".o"))]
+            cmd = [exe, f"-arch={arch}", *NVCC_FLAGS, *define_flags(defines), "-Xptxas",
+                   "-v", "-c", str(csrc / src), "-o", str(Path(tmp) / (Path(src).stem + ".o"))]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             except OSError as exc:

@@ -36,6 +36,26 @@ NVCC_FLAGS = ("-O3", "-std=c++17")
 """nvcc flags of the library's build (also :mod:`.cuda_resources`' report of it)."""
 DISABLE_ENV = "RECOVERSSM_CUDA_WINDOW"
 """Set to ``0`` to keep the Triton window kernel on CUDA devices (comparisons, debugging)."""
+DEFINES_ENV = "RECOVERSSM_CUDA_DEFINES"
+"""Build-time overrides of the verify's launch bounds and row depth for tuning sweeps,
+``NAME=VALUE`` pairs separated by commas (names in :data:`TUNING_DEFINES`). The library is
+built under a name of its own per set, so variants and the default do not overwrite each
+other's build."""
+TUNING_DEFINES: dict[str, tuple[int, int, int]] = {
+    # name: (default, lowest, highest); blocks per SM asked of the compiler (the register
+    # bound of __launch_bounds__), by mode, rows per warp and token slots
+    "RECOVERY_BLOCKS_16": (5, 1, 8),
+    "RECOVERY_BLOCKS_32": (4, 1, 8),
+    "FUSED_BLOCKS_16_TP4": (4, 1, 8),
+    "FUSED_BLOCKS_16_TP8": (1, 1, 8),
+    "FUSED_BLOCKS_32": (1, 1, 8),
+    "FULL_BLOCKS_16": (1, 1, 8),
+    "FULL_BLOCKS_32": (1, 1, 8),
+    # k-steps of state rows a recovery warp has in flight ahead of its product (8: all)
+    "RECOVERY_DEPTH": (4, 1, 8),
+}
+"""What :data:`DEFINES_ENV` may set (``RECOVERSSM_<name>`` in ``csrc/kda_window.cuh``):
+``(default, lowest, highest)`` per name."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -56,15 +76,58 @@ _COMMIT_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
 ]
 
 
-def _build() -> ctypes.CDLL:
+def parse_defines(text: str, *, source: str = DEFINES_ENV) -> tuple[tuple[str, int], ...]:
+    """``NAME=VALUE[,NAME=VALUE...]`` as checked pairs, sorted by name (empty: none).
+
+    ``ValueError`` names ``source`` and the entry for an unknown name, a value that is not
+    an integer in the name's range, or a name given twice.
+    """
+    out: dict[str, int] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        name, sep, value = entry.partition("=")
+        name = name.strip().upper()
+        if name.startswith("RECOVERSSM_"):
+            name = name[len("RECOVERSSM_"):]
+        if not sep or name not in TUNING_DEFINES:
+            raise ValueError(f"{source}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(TUNING_DEFINES)}, got {entry!r}")
+        _, lo, hi = TUNING_DEFINES[name]
+        try:
+            number = int(value.strip(), 10)
+        except ValueError:
+            number = lo - 1
+        if not lo <= number <= hi:
+            raise ValueError(f"{source}: {name} expected an integer in {lo}..{hi}, "
+                             f"got {value.strip()!r}")
+        if name in out:
+            raise ValueError(f"{source}: {name} given twice")
+        out[name] = number
+    return tuple(sorted(out.items()))
+
+
+def define_flags(defines: tuple[tuple[str, int], ...]) -> list[str]:
+    """nvcc ``-D`` flags of checked :func:`parse_defines` pairs."""
+    return [f"-DRECOVERSSM_{name}={value}" for name, value in defines]
+
+
+def library_name(defines: tuple[tuple[str, int], ...]) -> str:
+    """The extension's build name: one per set of overrides (the default set: none)."""
+    if not defines:
+        return "recoverssm_window"
+    return "recoverssm_window_" + "_".join(f"{name.lower()}{value}" for name, value in defines)
+
+
+def _build(defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
     from torch.utils.cpp_extension import load
 
     major, minor = torch.cuda.get_device_capability()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
     path = load(
-        name="recoverssm_window",
+        name=library_name(defines),
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cuda_cflags=list(NVCC_FLAGS),
+        extra_cuda_cflags=[*NVCC_FLAGS, *define_flags(defines)],
         is_python_module=False,
         verbose=False,
     )
@@ -79,10 +142,15 @@ def _build() -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The built library, or None (and a warning, once) where it cannot be had."""
+    """The built library, or None (and a warning, once) where it cannot be had.
+
+    :data:`DEFINES_ENV` is read at the first call; a value :func:`parse_defines` refuses
+    raises its ``ValueError`` (a tuning run must not time the Triton fallback unawares).
+    """
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]
+        defines = parse_defines(os.environ.get(DEFINES_ENV, ""))
         lib: ctypes.CDLL | None = None
         why = ""
         if os.environ.get(DISABLE_ENV) == "0":
@@ -95,7 +163,7 @@ def library() -> ctypes.CDLL | None:
             why = f"sources not found under {CSRC.name}/"
         else:
             try:
-                lib = _build()
+                lib = _build(defines)
             except Exception as exc:  # noqa: BLE001 - any build failure means "use Triton"
                 why = f"build failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
         if lib is None and why not in ("no CUDA device", f"{DISABLE_ENV}=0"):
