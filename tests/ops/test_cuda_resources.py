@@ -180,6 +180,8 @@ def test_tuning_overrides_are_checked() -> None:
                                           (("RECOVERY_DEPTH", 3),),
                                           (("FULL_BLOCKS_16", 2), ("RECOVERY_DEPTH", 2))]}
     assert len(names) == 4 and cw.library_name(()) == "recoverssm_window"
+    assert cw.library_name((("FUSED_BLOCKS_16_TP8", 4),)) == (
+        "recoverssm_window_fused_blocks_16_tp8_4")
 
 
 def test_a_bad_override_stops_the_library_with_its_reason(

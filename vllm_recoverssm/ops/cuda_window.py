@@ -116,7 +116,7 @@ def library_name(defines: tuple[tuple[str, int], ...]) -> str:
     """The extension's build name: one per set of overrides (the default set: none)."""
     if not defines:
         return "recoverssm_window"
-    return "recoverssm_window_" + "_".join(f"{name.lower()}{value}" for name, value in defines)
+    return "recoverssm_window_" + "_".join(f"{name.lower()}_{value}" for name, value in defines)
 
 
 def _build(defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
