@@ -417,27 +417,32 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   }
   __syncthreads();
 
+  // the deferred commit of the previous step, record j on k-step m of the rows:
+  // S = S * diag(a_j) + outer(c_j, k^_j)
+  auto replay_record = [&](int j, int m) {
+    const float4 kh = ld4(&sKh[j][16 * m + 4 * t4]);
+    const float4 a = ld4(&sA[j][16 * m + 4 * t4]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) apply_update(s[mt][hf][m], cprev[j][mt][hf], kh, a);
+  };
+  auto lane_row = [&](int mt, int hf) {  // this lane's first column of row (mt, hf)
+    return sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4;
+  };
   if (MODE == kFused && !kStreamReplay) {
-    // the deferred commit of the previous step: S = S * diag(a_j) + outer(c_j, k^_j)
 #pragma unroll
     for (int j = 0; j < TP; ++j) {
       if (j >= plen) break;  // uniform over the block; the unrolled body keeps cprev in registers
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const float4 kh = ld4(&sKh[j][16 * m + 4 * t4]);
-        const float4 a = ld4(&sA[j][16 * m + 4 * t4]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) apply_update(s[mt][hf][m], cprev[j][mt][hf], kh, a);
-      }
+      for (int m = 0; m < 8; ++m) replay_record(j, m);
     }
     if (plen > 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          float* rp = sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4;
+          float* rp = lane_row(mt, hf);
 #pragma unroll
           for (int m = 0; m < 8; ++m) st4(rp + 16 * m, s[mt][hf][m]);
         }
@@ -519,20 +524,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
 #pragma unroll
       for (int j = 0; j < TP; ++j) {
         if (j >= plen) break;
-        const float4 kh = ld4(&sKh[j][16 * m + 4 * t4]);
-        const float4 a = ld4(&sA[j][16 * m + 4 * t4]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) apply_update(s[mt][hf][m], cprev[j][mt][hf], kh, a);
+        replay_record(j, m);
       }
       if (plen > 0) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
-            st4(sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4 + 16 * m,
-                s[mt][hf][m]);
+          for (int hf = 0; hf < 2; ++hf) st4(lane_row(mt, hf) + 16 * m, s[mt][hf][m]);
       }
     }
     const int c = 16 * m + 4 * t4;

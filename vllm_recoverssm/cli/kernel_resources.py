@@ -70,18 +70,13 @@ class TuningDefine(Validator):
                       "RECOVERY_DEPTH=2,FULL_BLOCKS_16=2"] + super().samples()
 
 
-def _defines(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
-    """The --define pairs, checked together (a name given twice is refused)."""
+def validate(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """The --define pairs, checked together (a name given twice is a ``UsageError``)."""
     text = ",".join(f"{name}={value}" for name, value in args.define)
     try:
         return cuda_window.parse_defines(text, source="--define")
     except ValueError as exc:
         raise flag_error("--define", str(exc).partition(": ")[2]) from None
-
-
-def validate(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
-    """The checked overrides (``UsageError`` naming --define otherwise)."""
-    return _defines(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -130,12 +130,16 @@ def find_nvcc() -> str | None:
     return None
 
 
+def _limits(arch: str) -> SmLimits:
+    if arch not in ARCHES:
+        raise ValueError(f"argument 'arch': expected one of {', '.join(ARCHES)}, got {arch!r}")
+    return ARCHES[arch]
+
+
 def blocks_per_sm(res: KernelResources, arch: str) -> int:
     """Blocks of ``res`` one SM of ``arch`` holds at once, by registers, warps and shared
     memory (what the CUDA occupancy calculator gives for a block of 128 threads)."""
-    if arch not in ARCHES:
-        raise ValueError(f"argument 'arch': expected one of {', '.join(ARCHES)}, got {arch!r}")
-    lim = ARCHES[arch]
+    lim = _limits(arch)
     warps = THREADS_PER_BLOCK // 32
     unit = REGISTER_ALLOCATION_UNIT
     per_warp = -(-res.registers * 32 // unit) * unit
@@ -220,8 +224,7 @@ def compile_report(arch: str, *, nvcc: str | None = None, sources: Sequence[str]
     report has no SM limits for, and ``RuntimeError`` (with the compiler's output) when a
     source does not compile.
     """
-    if arch not in ARCHES:
-        raise ValueError(f"argument 'arch': expected one of {', '.join(ARCHES)}, got {arch!r}")
+    _limits(arch)
     exe = nvcc or find_nvcc()
     if exe is None:
         raise FileNotFoundError("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
