@@ -172,9 +172,6 @@ __device__ __forceinline__ void mma_pair(float (&d)[4], const SplitA& a, float4 
 #ifndef RECOVERSSM_RECOVERY_DEPTH
 #define RECOVERSSM_RECOVERY_DEPTH 4
 #endif
-#ifndef RECOVERSSM_FUSED_DEPTH
-#define RECOVERSSM_FUSED_DEPTH 8
-#endif
 
 constexpr int min_blocks_per_sm(int mode, int mt, int tp) {
   if (mode == kRecovery) return mt == 2 ? RECOVERSSM_RECOVERY_BLOCKS_32 : RECOVERSSM_RECOVERY_BLOCKS_16;
@@ -191,17 +188,6 @@ constexpr int min_blocks_per_sm(int mode, int mt, int tp) {
 // product, the rebuild after it), and load them all at once.
 constexpr int kRecoveryDepth = RECOVERSSM_RECOVERY_DEPTH;
 static_assert(kRecoveryDepth >= 1 && kRecoveryDepth <= 8, "RECOVERSSM_RECOVERY_DEPTH: 1..8");
-
-// The same for the fused verify. At 8 (the default) it loads every row, replays the
-// previous step's records on them and writes them back before its product, holding all
-// rows in registers (3 blocks per SM at 16 rows, 8 slots). Below 8 it streams as the
-// recovery verify does: each k-step of rows is replayed and written back as the product
-// reaches it. The replay scales and adds to each column on its own (apply_update, one
-// rounding per term), so the committed state and the outputs keep their bits, and the
-// rows no longer need to be held at once, which frees registers for more blocks (ask
-// for them with FUSED_BLOCKS_*). Not yet timed on a GPU: a tuning variant.
-constexpr int kFusedDepth = RECOVERSSM_FUSED_DEPTH;
-static_assert(kFusedDepth >= 1 && kFusedDepth <= 8, "RECOVERSSM_FUSED_DEPTH: 1..8");
 
 // One block: 4 warps, 16 * MT rows each, of one (request, head); TP (4 or 8) token slots,
 // so a window of at most four tokens takes half the products.
@@ -263,8 +249,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   // ---- the rows' state, straight into A-fragment order; the recovery verify issues its
   // first kRecoveryDepth k-steps up front and the rest in the product
   float4 s[MT][2][8];
-  constexpr bool kStreamReplay = MODE == kFused && kFusedDepth < 8;
-  constexpr int kDepth = MODE == kRecovery ? kRecoveryDepth : kStreamReplay ? kFusedDepth : 8;
+  constexpr int kDepth = MODE == kRecovery ? kRecoveryDepth : 8;
   auto load_step = [&](int m) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -277,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   // of windows longer than kHalfCols issues its rows first instead: holding every row and
   // the replay's records in 239-254 registers, it was 3-6% slower the other way round
   // (docs/bench/h200-2026-12-01-verify-profile.md).
-  constexpr bool kHeadLoadsFirst = MODE != kFused || TP == 4 || kStreamReplay;
+  constexpr bool kHeadLoadsFirst = MODE != kFused || TP == 4;
   if (!kHeadLoadsFirst) {
 #pragma unroll
     for (int m = 0; m < kDepth; ++m) load_step(m);
@@ -417,32 +402,27 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
   }
   __syncthreads();
 
-  // the deferred commit of the previous step, record j on k-step m of the rows:
-  // S = S * diag(a_j) + outer(c_j, k^_j)
-  auto replay_record = [&](int j, int m) {
-    const float4 kh = ld4(&sKh[j][16 * m + 4 * t4]);
-    const float4 a = ld4(&sA[j][16 * m + 4 * t4]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) apply_update(s[mt][hf][m], cprev[j][mt][hf], kh, a);
-  };
-  auto lane_row = [&](int mt, int hf) {  // this lane's first column of row (mt, hf)
-    return sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4;
-  };
-  if (MODE == kFused && !kStreamReplay) {
+  if (MODE == kFused) {
+    // the deferred commit of the previous step: S = S * diag(a_j) + outer(c_j, k^_j)
 #pragma unroll
     for (int j = 0; j < TP; ++j) {
       if (j >= plen) break;  // uniform over the block; the unrolled body keeps cprev in registers
 #pragma unroll
-      for (int m = 0; m < 8; ++m) replay_record(j, m);
+      for (int m = 0; m < 8; ++m) {
+        const float4 kh = ld4(&sKh[j][16 * m + 4 * t4]);
+        const float4 a = ld4(&sA[j][16 * m + 4 * t4]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) apply_update(s[mt][hf][m], cprev[j][mt][hf], kh, a);
+      }
     }
     if (plen > 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          float* rp = lane_row(mt, hf);
+          float* rp = sbase + (long long)(row0 + mt * 16 + hf * 8 + g8) * kD + 4 * t4;
 #pragma unroll
           for (int m = 0; m < 8; ++m) st4(rp + 16 * m, s[mt][hf][m]);
         }
@@ -519,20 +499,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(MODE, MT, TP)) win
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     if (m + kDepth < 8) load_step(m + kDepth);
-    if (kStreamReplay) {
-      // the deferred commit of k-step m (as above, one k-step at a time), written back
-#pragma unroll
-      for (int j = 0; j < TP; ++j) {
-        if (j >= plen) break;
-        replay_record(j, m);
-      }
-      if (plen > 0) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) st4(lane_row(mt, hf) + 16 * m, s[mt][hf][m]);
-      }
-    }
     const int c = 16 * m + 4 * t4;
     float4 bh[NT], bl[NT];
 #pragma unroll

@@ -212,20 +212,6 @@ def test_overrides_reach_the_compiler() -> None:
 
 
 @needs_nvcc
-def test_streamed_fused_replay_frees_registers_for_a_fourth_block() -> None:
-    """FUSED_DEPTH < 8 replays each k-step as the product reaches it, so the fused verify
-    no longer holds every row: at 16 rows and 8 slots it fits four blocks per SM without
-    spilling (three as the default build holds them)."""
-    streamed = cr.compile_report("sm_90", sources=("kda_window_fused.cu",),
-                                 defines=(("FUSED_BLOCKS_16_TP8", 4), ("FUSED_DEPTH", 4)))
-    rows16 = [r for r in streamed if r.describe().rows_per_warp == 16
-              and r.describe().token_slots == 8]
-    assert len(rows16) == 2
-    for r in rows16:
-        assert r.spill_bytes == 0 and cr.blocks_per_sm(r, "sm_90") == 4, r
-
-
-@needs_nvcc
 def test_cli_reports_a_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "v.json"
     assert main(["kernel-resources", "--no-progress", "--define", "recovery_depth=8",

@@ -51,10 +51,8 @@ TUNING_DEFINES: dict[str, tuple[int, int, int]] = {
     "FUSED_BLOCKS_32": (1, 1, 8),
     "FULL_BLOCKS_16": (1, 1, 8),
     "FULL_BLOCKS_32": (1, 1, 8),
-    # k-steps of state rows a warp has in flight ahead of its product (8: all); below 8
-    # the fused verify replays and writes back each k-step as its product reaches it
+    # k-steps of state rows a recovery warp has in flight ahead of its product (8: all)
     "RECOVERY_DEPTH": (4, 1, 8),
-    "FUSED_DEPTH": (8, 1, 8),
 }
 """What :data:`DEFINES_ENV` may set (``RECOVERSSM_<name>`` in ``csrc/kda_window.cuh``):
 ``(default, lowest, highest)`` per name."""
