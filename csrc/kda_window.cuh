@@ -147,7 +147,7 @@ __device__ __forceinline__ void mma_pair(float (&d)[4], const SplitA& a, float4 
 //
 // Each bound, and kRecoveryDepth, can be replaced at build time for a tuning sweep
 // (RECOVERSSM_<name>, set through cuda_window.DEFINES_ENV; cuda_window.TUNING_DEFINES
-// lists the names, their ranges and these defaults).
+// lists the names and their ranges; the defaults are here).
 #ifndef RECOVERSSM_RECOVERY_BLOCKS_16
 #define RECOVERSSM_RECOVERY_BLOCKS_16 5
 #endif

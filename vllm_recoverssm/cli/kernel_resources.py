@@ -64,7 +64,7 @@ class TuningDefine(Validator):
     def samples(self) -> list[str]:
         """Each name at its bounds and past them, and malformed pairs."""
         out = []
-        for name, (_, lo, hi) in cuda_window.TUNING_DEFINES.items():
+        for name, (lo, hi) in cuda_window.TUNING_DEFINES.items():
             out += [f"{name}={lo}", f"{name}={hi}", f"{name}={lo - 1}", f"{name}={hi + 1}"]
         return out + ["RECOVERY_DEPTH", "NOPE=1", "RECOVERY_DEPTH=x",
                       "RECOVERY_DEPTH=2,FULL_BLOCKS_16=2"] + super().samples()

@@ -41,21 +41,21 @@ DEFINES_ENV = "RECOVERSSM_CUDA_DEFINES"
 ``NAME=VALUE`` pairs separated by commas (names in :data:`TUNING_DEFINES`). The library is
 built under a name of its own per set, so variants and the default do not overwrite each
 other's build."""
-TUNING_DEFINES: dict[str, tuple[int, int, int]] = {
-    # name: (default, lowest, highest); blocks per SM asked of the compiler (the register
-    # bound of __launch_bounds__), by mode, rows per warp and token slots
-    "RECOVERY_BLOCKS_16": (5, 1, 8),
-    "RECOVERY_BLOCKS_32": (4, 1, 8),
-    "FUSED_BLOCKS_16_TP4": (4, 1, 8),
-    "FUSED_BLOCKS_16_TP8": (1, 1, 8),
-    "FUSED_BLOCKS_32": (1, 1, 8),
-    "FULL_BLOCKS_16": (1, 1, 8),
-    "FULL_BLOCKS_32": (1, 1, 8),
+TUNING_DEFINES: dict[str, tuple[int, int]] = {
+    # blocks per SM asked of the compiler (the register bound of __launch_bounds__), by
+    # mode, rows per warp and token slots
+    "RECOVERY_BLOCKS_16": (1, 8),
+    "RECOVERY_BLOCKS_32": (1, 8),
+    "FUSED_BLOCKS_16_TP4": (1, 8),
+    "FUSED_BLOCKS_16_TP8": (1, 8),
+    "FUSED_BLOCKS_32": (1, 8),
+    "FULL_BLOCKS_16": (1, 8),
+    "FULL_BLOCKS_32": (1, 8),
     # k-steps of state rows a recovery warp has in flight ahead of its product (8: all)
-    "RECOVERY_DEPTH": (4, 1, 8),
+    "RECOVERY_DEPTH": (1, 8),
 }
-"""What :data:`DEFINES_ENV` may set (``RECOVERSSM_<name>`` in ``csrc/kda_window.cuh``):
-``(default, lowest, highest)`` per name."""
+"""What :data:`DEFINES_ENV` may set: ``(lowest, highest)`` per name. Each is
+``RECOVERSSM_<name>`` in ``csrc/kda_window.cuh``, which holds the defaults."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -93,7 +93,7 @@ def parse_defines(text: str, *, source: str = DEFINES_ENV) -> tuple[tuple[str, i
         if not sep or name not in TUNING_DEFINES:
             raise ValueError(f"{source}: expected NAME=VALUE with NAME one of "
                              f"{', '.join(TUNING_DEFINES)}, got {entry!r}")
-        _, lo, hi = TUNING_DEFINES[name]
+        lo, hi = TUNING_DEFINES[name]
         try:
             number = int(value.strip(), 10)
         except ValueError:
