@@ -8,8 +8,10 @@ no bundle covers.
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -91,6 +93,25 @@ def expected_restored(prompts: list[list[int]]) -> list[int]:
     prompt bundle for a repeat and for an extension."""
     return ([len(p) + MAX_NEW - 1 for p in prompts] + [len(p) for p in prompts]
             + [len(p) for p in prompts[2:]])
+
+
+def test_a_closed_runtime_is_freed_without_a_garbage_collection(
+    tiny_model: HybridModel, prompts: list[list[int]],
+    waves: tuple[list[list[int]], list[list[int]], OracleDrafter],
+) -> None:
+    """Leaving the ``with`` block releases the checkpoint store (which points back at the
+    runtime), so the last reference to the runtime frees it and its state pools at once:
+    a demo or server that runs one runtime after another does not pile them up."""
+    gc.disable()
+    try:
+        with runtime(tiny_model, RECOVERY, waves[2], checkpoint=ram()) as rt:
+            serve(rt, prompts[:2])
+            assert rt.stats.checkpoints_exported > 0
+        ref = weakref.ref(rt)
+        del rt
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from vllm_recoverssm.reference import (
     MODES,
     RECOVERY,
     HybridModel,
+    RuntimeConfig,
+    SpecRuntime,
     build_model,
     corruption_for_acceptance,
     greedy_continuations,
@@ -112,3 +116,39 @@ def test_cuda_graph_replay_matches_eager(
     # the tail, with fewer requests left, replays graphs captured for fewer rows
     assert graph_rt.stats.graph_captures >= 2
     assert graph_rt.stats.graph_steps > graph_rt.stats.graph_captures
+
+
+def test_a_closed_runtime_frees_its_graphs_and_pools(
+    gpu_model: HybridModel, gpu_prompts: list[list[int]], gpu_references: list[list[int]],
+) -> None:
+    """Leaving a runtime's ``with`` block drops its CUDA graphs, and dropping the runtime
+    frees its state pools at once, with no garbage collection (the demo runs one runtime
+    after another on one GPU; a cycle through the graphs kept each one's pools alive)."""
+    drafter = oracle(gpu_model, gpu_prompts, gpu_references, 0.3)
+    config = RuntimeConfig(mode=FULL_STATE, num_spec=3, max_model_len=LEN, block_size=8,
+                           cuda_graph=True)
+
+    def one_run() -> SpecRuntime:
+        with SpecRuntime(gpu_model, config, drafter) as rt:
+            for p in gpu_prompts:
+                rt.add_request(p, MAX_NEW)
+            rt.run()
+        assert rt.stats.graph_captures > 0
+        return rt
+
+    one_run()  # lazily built kernels and caches first
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        rt = one_run()
+        held = torch.cuda.memory_allocated() - before  # the closed runtime's pools
+        ref = weakref.ref(rt)
+        del rt
+        assert ref() is None
+        freed_to = torch.cuda.memory_allocated() - before
+    finally:
+        gc.enable()
+    assert held > 0
+    assert freed_to <= held // 10

@@ -42,7 +42,8 @@ class DecodeGraph:
         if first.packed is None:
             raise ValueError("argument 'first': a graph refills its inputs from packed "
                              "buffers; build the step with build_step_inputs")
-        self.runtime = runtime
+        # No reference back to the runtime: the runtime holds its graphs, and a cycle would
+        # keep its state pools and the graphs' memory alive until a garbage collection.
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._static = first.packed.clone()
         self.static = from_packed(self._static, first.linear.mode,

@@ -249,6 +249,16 @@ def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
     )
 
 
+def _warm_up(model: HybridModel, config: RuntimeConfig, drafter: Drafter,
+             prompt: list[int]) -> None:
+    """A short untimed run of one prompt: kernel compilation and graph capture happen on a
+    mode's first steps, and this keeps them out of the tokens/s compared. Its pools and
+    graphs are freed on return."""
+    with SpecRuntime(model, config, drafter) as warm_up:
+        warm_up.add_request(prompt, 2 * (config.num_spec + 1))
+        warm_up.run()
+
+
 def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoReport:
     """Run the job and return its report (see the module docstring)."""
     started = time.perf_counter()
@@ -336,11 +346,9 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
                     cuda_graph=cuda_graph, fused_commit=options.fused_commit,
                 )
                 if on_gpu and run == 0:
-                    # Kernel compilation and graph capture happen on a mode's first steps; a
-                    # short untimed run first keeps them out of the tokens/s compared below.
-                    with SpecRuntime(model, config_of_mode, drafter) as warm_up:
-                        warm_up.add_request(prompts[0], 2 * (S + 1))
-                        warm_up.run()
+                    _warm_up(model, config_of_mode, drafter, prompts[0])
+                # the previous run's pools and graphs go before this run's are allocated
+                runtime = None
                 runtime = SpecRuntime(model, replace(
                     config_of_mode, checkpoint=place.config if place is not None else None,
                 ), drafter)
