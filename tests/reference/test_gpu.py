@@ -118,12 +118,12 @@ def test_cuda_graph_replay_matches_eager(
     assert graph_rt.stats.graph_steps > graph_rt.stats.graph_captures
 
 
-def test_a_closed_runtime_frees_its_graphs_and_pools(
+def test_a_finished_runtime_frees_its_graphs_and_pools(
     gpu_model: HybridModel, gpu_prompts: list[list[int]], gpu_references: list[list[int]],
 ) -> None:
-    """Leaving a runtime's ``with`` block drops its CUDA graphs, and dropping the runtime
-    frees its state pools at once, with no garbage collection (the demo runs one runtime
-    after another on one GPU; a cycle through the graphs kept each one's pools alive)."""
+    """Dropping a runtime that captured CUDA graphs frees its state pools and graphs at
+    once, with no garbage collection (the demo runs one runtime after another on one GPU;
+    a cycle through the graphs kept each one's memory alive)."""
     drafter = oracle(gpu_model, gpu_prompts, gpu_references, 0.3)
     config = RuntimeConfig(mode=FULL_STATE, num_spec=3, max_model_len=LEN, block_size=8,
                            cuda_graph=True)
@@ -143,7 +143,7 @@ def test_a_closed_runtime_frees_its_graphs_and_pools(
     gc.disable()
     try:
         rt = one_run()
-        held = torch.cuda.memory_allocated() - before  # the closed runtime's pools
+        held = torch.cuda.memory_allocated() - before  # its pools and graphs
         ref = weakref.ref(rt)
         del rt
         assert ref() is None

@@ -186,14 +186,10 @@ class SpecRuntime:
         return self.checkpoints.store if self.checkpoints is not None else None
 
     def close(self) -> None:
-        """Release the checkpoint store (if any) and the captured CUDA graphs with their
-        memory pool: the runtime cannot export afterwards, and a later run captures its
-        graphs anew. The state pools go with the runtime object itself."""
+        """Release the checkpoint store (if any); the runtime cannot export afterwards."""
         if self.checkpoints is not None:
             self.checkpoints.close()
             self.checkpoints = None
-        self._graphs.clear()
-        self._graph_pool = None
 
     def __enter__(self) -> SpecRuntime:
         return self
