@@ -13,9 +13,9 @@ import torch
 
 from vllm_recoverssm.bench import accounting as acc
 from vllm_recoverssm.bench import workload as wl
-from vllm_recoverssm.bench.grid import parse_int_list
+from vllm_recoverssm.bench.grid import MIB, parse_int_list
 from vllm_recoverssm.bench.progress import Progress
-from vllm_recoverssm.bench.report import evaluate_targets
+from vllm_recoverssm.bench.report import evaluate_targets, format_text
 from vllm_recoverssm.bench.timing import EagerTimer, GraphTimer, Timing, make_timer, measure_roof
 from vllm_recoverssm.cli.main import main
 
@@ -78,6 +78,7 @@ def test_targets() -> None:
         "fla_full": {"one_window": 1e-6, "drift": 2e-6}}}
     got = {(t["num_spec"], t["batch"], t["check"]): t["met"]
            for t in evaluate_targets({"rows": rows, "fidelity": [fid]})}
+    assert all(t.get("floor") is None for t in evaluate_targets({"rows": rows}))  # no bytes
     assert got == {
         (3, 1, "total_all/fla"): True,  # <= 1.0 at batch 1 and 8
         (3, 1, "fused_all/fla"): False,
@@ -94,6 +95,38 @@ def test_targets() -> None:
         (7, 8, "fused state error, 1 window"): False,
         (7, 8, "fused / fla drift, 16 windows"): True,  # 1.15
     }
+
+
+def test_a_limit_below_copy_speed_is_reported_out_of_reach() -> None:
+    """A ratio target the op could not meet even at the copy roof, given fla-core's measured
+    time on this card, is marked out of reach, with the floor it would reach."""
+    def op(mib: float, frac: float) -> dict[str, float]:
+        return {"ms": 1.0, "bytes": mib * MIB, "gbps": 1.0, "roof_frac": frac}
+
+    ops = {"fla_full": op(2600, 0.78), "total_all": op(1640, 0.9), "fused_all": op(1000, 0.9),
+           "verify": op(584, 0.9)}
+    row = {"num_spec": 3, "batch": 256, "layers": 1, "ops": ops, "skipped": {}, "notes": [],
+           "ratios": {"total_all/fla": 0.53, "fused_all/fla": 0.35},
+           "memory": {"full_alloc": 0, "recovery_alloc": 0, "full_design": MIB,
+                      "recovery_design": MIB}, "distinct_pools": {"full": 1, "recovery": 1}}
+    by_check = {t["check"]: t for t in evaluate_targets({"rows": [row]})}
+    total, fused = by_check["total_all/fla"], by_check["fused_all/fla"]
+    assert total["floor"] == pytest.approx(1640 / 2600 * 0.78)  # 0.492 > 0.46
+    assert not total["met"] and total["reachable"] is False
+    assert fused["floor"] == pytest.approx(1000 / 2600 * 0.78)  # 0.300 <= 0.33
+    assert not fused["met"] and fused["reachable"] is True
+    lines = format_text({
+        "rows": [row], "mode": "gpu", "date": "-", "command": "-",
+        "machine": {"device": "-", "torch": "-"}, "notes": [],
+        "shape": {"heads": 32, "head_dim_k": 128, "act_dtype": "bfloat16", "lower_bound": -5.0,
+                  "backend": "cuda"},
+        "method": {"timing": "-", "warmup": 1, "reps": 1, "flush_bytes": 0},
+        "roof": {"bytes": 2 * MIB, "gbps": 1.0, "ms": 1.0}}).splitlines()
+    assert "Targets met: 1/3; 1 of the missed are out of reach on this card" in "\n".join(lines)
+    assert any("total_all/fla = 0.530 (limit 0.46; 0.4920 at copy speed, out of reach)" in ln
+               for ln in lines)
+    assert any(ln.endswith("fused_all/fla = 0.350 (limit 0.33; 0.3000 at copy speed)")
+               for ln in lines)
 
 
 def _fla_fwd() -> Any:
