@@ -22,6 +22,22 @@ if TYPE_CHECKING:
     from .runtime import SpecRuntime
 
 
+_WARM_UP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream on which every graph's eager first step runs, per device.
+
+    torch keeps a cuBLAS workspace (32 MiB on Hopper) for every stream that ever ran a
+    matmul, for the life of the process; a new stream per capture added one workspace per
+    capture size to each runtime's footprint, and kept it after the runtime was gone.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _WARM_UP_STREAMS:
+        _WARM_UP_STREAMS[index] = torch.cuda.Stream(index)
+    return _WARM_UP_STREAMS[index]
+
+
 class DecodeGraph:
     """One captured decode forward pass for a fixed number of rows.
 
@@ -52,7 +68,7 @@ class DecodeGraph:
         # The first step runs eagerly on a side stream (it also compiles and warms up every
         # kernel); it cannot be run twice, because each step moves the conv windows.
         main = torch.cuda.current_stream(runtime.device)
-        side = torch.cuda.Stream(runtime.device)
+        side = _warm_up_stream(runtime.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self._pending_first: torch.Tensor | None = runtime.model(first, runtime.pools)
