@@ -100,7 +100,7 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
                 if match and match not in label:
                     continue
                 try:
-                    with _override_all(over):
+                    with overrides(over):
                         fn = _build(op, step)
                         t = timer.measure(fn)
                 except Exception as exc:  # noqa: BLE001 - a failing variant is a row
@@ -119,7 +119,8 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
 
 
 @contextmanager
-def _override_all(over: dict[str, object]) -> Iterator[None]:
+def overrides(over: dict[str, object]) -> Iterator[None]:
+    """Set these ``triton_kda`` kernel overrides (``*_OVERRIDE``) for the block."""
     with ExitStack() as stack:
         for name, value in over.items():
             stack.enter_context(_override(name, value))
