@@ -7,7 +7,8 @@ those calls alone. With Nsight Compute::
 
     ncu --profile-from-start off -k regex:window_kernel --section SourceCounters \\
         --section WarpStateStats -o REPORT \\
-        python -m vllm_recoverssm.bench.profile --num-spec 7 --batch 256 --rows 32
+        python -m vllm_recoverssm.bench.profile --kernel cuda --rows 32 --num-spec 7 \\
+        --batch 256
     ncu -i REPORT --page source --csv --print-source sass > page.csv
     python -m vllm_recoverssm.bench.ncu_phases page.csv
 
@@ -22,10 +23,8 @@ import sys
 
 import torch
 
-from . import accounting as acc
-from . import workload as wl
 from .runner import OPS as BENCH_OPS
-from .tune import overrides
+from .tune import build_op, make_step, overrides
 
 OPS = tuple(op for op in BENCH_OPS if op != "fla_full")
 """The ops a call can profile: the bench's own columns (fla-core's is the peer's kernel)."""
@@ -81,11 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         over["CUDA_ROWS_OVERRIDE"] = args.rows
     dev = torch.device("cuda")
     with overrides(over):
-        step = wl.make_step(acc.OpShape(args.heads, 128, 128, args.num_spec, 2), args.batch, 1,
-                            torch.bfloat16, dev, "auto", 0)
-        calls = dict(wl.recovery_ops(step, wl.make_recovery_pools(step, 0)))
-        if "ours_full" in ops:
-            calls.update(wl.full_ops(step, wl.make_full_pools(step, 1, 0), None))
+        step = make_step(args.num_spec, args.batch, args.heads, dev)
+        calls = {op: build_op(op, step) for op in ops}
         for op in ops:
             for _ in range(args.warmup):
                 calls[op]()

@@ -92,8 +92,7 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
     rows: list[dict[str, Any]] = []
     for S in num_spec:
         for B in batches:
-            shape = acc.OpShape(heads, 128, 128, S, 2)
-            step = wl.make_step(shape, B, 1, torch.bfloat16, dev, "auto", 0)
+            step = make_step(S, B, heads, dev)
             for op, label, over in _variants():
                 if only and op not in only:
                     continue
@@ -101,14 +100,14 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
                     continue
                 try:
                     with overrides(over):
-                        fn = _build(op, step)
+                        fn = build_op(op, step)
                         t = timer.measure(fn)
                 except Exception as exc:  # noqa: BLE001 - a failing variant is a row
                     rows.append({"op": op, "variant": label, "num_spec": S, "batch": B,
                                  "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                     out(f"S={S} B={B:>3} {op:<10} {label:<24} ERROR {exc}")
                     continue
-                gb = acc.gbps(_bytes(op, shape, B), t.median_ms)
+                gb = acc.gbps(_bytes(op, step.shape, B), t.median_ms)
                 rows.append({"op": op, "variant": label, "num_spec": S, "batch": B,
                              "ms": t.median_ms, "gbps": gb, "roof_frac": gb / roof})
                 out(f"S={S} B={B:>3} {op:<10} {label:<24} {t.median_ms:9.4f} ms "
@@ -127,7 +126,14 @@ def overrides(over: dict[str, object]) -> Iterator[None]:
         yield
 
 
-def _build(op: str, step: wl.Step) -> wl.Op:
+def make_step(num_spec: int, batch: int, heads: int, device: torch.device) -> wl.Step:
+    """The tuning workload: GLM-5.3 TP2 head shapes, one layer, bf16 activations."""
+    return wl.make_step(acc.OpShape(heads, 128, 128, num_spec, 2), batch, 1, torch.bfloat16,
+                        device, "auto", 0)
+
+
+def build_op(op: str, step: wl.Step) -> wl.Op:
+    """One bench op (``ours_full`` or a recovery op) on pools of its own."""
     if op == "ours_full":
         full = wl.make_full_pools(step, 1, 0)
         return wl.full_ops(step, full, None)["ours_full"]
