@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kCommitThreads) commit_kernel(const CommitPara
   __shared__ __align__(16) float sA[kCommitTokens][kD];
   __shared__ float sC[kCommitTokens][kRows];
 
-  const int n = blockIdx.y, lh = blockIdx.z;
+  const int lh = blockIdx.y, n = blockIdx.z;
   const int layer = lh / p.H, h = lh % p.H, W = p.ncols;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = blockIdx.x * kRows;
@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(kCommitThreads) commit_kernel(const CommitPara
 
 template <typename T, int RPT>
 cudaError_t commit_typed(const CommitParams& p, int N, int L, cudaStream_t s) {
-  const dim3 grid(kD / (4 * RPT), N, L * p.H);
+  // heads (of every layer) before requests, as the verify (kda_window.cuh, launch_typed)
+  const dim3 grid(kD / (4 * RPT), L * p.H, N);
   commit_kernel<T, RPT><<<grid, kCommitThreads, 0, s>>>(p);
   return cudaGetLastError();
 }

@@ -81,8 +81,8 @@ def _verify_kernel(
 ):
     KC: tl.constexpr = K // NCH
     pid_v = tl.program_id(0)
-    n = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
     start = tl.load(qsl_ptr + n).to(tl.int64)
     ntok = tl.load(qsl_ptr + n + 1).to(tl.int64) - start
     if not FUSED:
@@ -277,8 +277,8 @@ def _commit_kernel(
     ALIGNED: tl.constexpr, LOOP: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
-    n = tl.program_id(1)
-    lh = tl.program_id(2)
+    lh = tl.program_id(1)
+    n = tl.program_id(2)
     layer = lh // H
     h = lh % H
     # Every index and table load is issued before the first branch: with the L2 cold,
@@ -580,7 +580,8 @@ def _verify_launch(
     bv, warps, nch = _serial_tile(K, V)
     dummy = state_indices
     pc, pk, pr, pl = prev if prev is not None else (state, q, None, dummy)
-    _verify_kernel[(V // bv, N, H)](
+    # heads before requests, as the CUDA kernels (csrc/kda_window.cuh, launch_typed)
+    _verify_kernel[(V // bv, H, N)](
         q, k, v, raw_g, raw_beta,
         A_log.float().contiguous(), dt_bias.float().contiguous(),
         state, state.stride(0),
@@ -740,7 +741,8 @@ def commit_triton(
         return
     bv, warps, nch = commit_tile(N, L * H, K, V, ncols)
     si = plan.state_indices
-    grid = (V // bv, N, L * H)
+    # heads before requests, as the CUDA kernels (csrc/kda_window.cuh, launch_typed)
+    grid = (V // bv, L * H, N)
     _commit_kernel[grid](
         tables.state_ptrs, tables.state_strides, tables.corr_ptrs, tables.corr_strides,
         tables.kg_ptrs, tables.kg_strides,

@@ -91,8 +91,8 @@ def _window_kernel(
     # element owned by one thread, so no token loop repeats work on every thread.
     NP: tl.constexpr = 2 * _TP
     pid_v = tl.program_id(0)
-    n = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
     start = tl.load(qsl_ptr + n).to(tl.int64)
     ntok = tl.load(qsl_ptr + n + 1).to(tl.int64) - start
     if MODE != _FUSED:
@@ -266,7 +266,8 @@ def launch_window(
     bv, nchunk, warps, stages = tile
     dummy = state_indices
     pc, pk, pr, pl = prev if prev is not None else (state, q, None, dummy)
-    _window_kernel[(V // (bv * nchunk), N, H)](
+    # heads before requests, as the CUDA kernels (csrc/kda_window.cuh, launch_typed)
+    _window_kernel[(V // (bv * nchunk), H, N)](
         q, k, v, raw_g, raw_beta,
         A_log.float().contiguous(), dt_bias.float().contiguous(),
         state, state.stride(0),
