@@ -38,10 +38,17 @@ vllm_recoverssm.bench.tune --ops commit_all,commit_2``, 2026-12-05), with all 8 
 S = 7 accepted it took 0.85-0.88 of the Triton commit's time at a batch of 128-256
 (32 heads, one layer), from sharing each record's key norm and decay over a block's rows;
 with 2 accepted 1.005-1.017; at S = 3 it was nowhere faster (1.00-1.13)."""
-MIN_PROGRAMS = 4096
-"""(request, layer, head) triples from which the CUDA commit is preferred: below, at a
-batch of 8-32 with one layer, the Triton commit's one-warp programs fill the SMs better
-(CUDA 1.04-1.16 of its time with 2 tokens accepted)."""
+MIN_PROGRAMS = 1024
+"""(request, layer, head) triples from which the CUDA commit is preferred: a batch of 32 with
+one layer of 32 heads, or any batch with the 34 layers of GLM-5.3. On an H100 with the
+blocks launched heads before requests (``python -m vllm_recoverssm.bench.tune --ops
+commit_all,commit_2 --batch 16,32,48,64``, 2026-12-06,
+docs/bench/h100-2026-12-06-commit-tune.txt), S = 7 at 32 rows took 0.86-0.91 of the Triton
+commit's time with all 8 tokens accepted from a batch of 32 and 1.01 with 2; at a batch of
+16 (512 triples) 0.95-0.97 and 1.03-1.06, and at a batch of 8
+(h100-2026-12-06-grid-order.txt, 16 rows) 1.04 and 1.11. (On an H200 with requests first,
+2026-12-05, the threshold was 4096: there the CUDA commit took 1.04-1.16 of the time with 2
+accepted at a batch of 8-32.)"""
 
 
 def preferred(ncols: int, programs: int) -> bool:
@@ -56,7 +63,9 @@ def rows_per_block(rows: int, layer_heads: int) -> int:
     Short blocks fill the SMs at small batches; at large ones longer blocks share their
     per-block record work over more rows (H200, S = 7, one layer of 32 heads: 32 rows took
     0.85 / 0.88 of the Triton commit's time at a batch of 128 / 256, 16 rows 0.90 / 0.94,
-    64 rows 0.93; at a batch of 1-32, 16 rows were the fastest or tied).
+    64 rows 0.93). On an H100 with heads before requests, at a batch of 32, 16 rows were 3%
+    faster with all 8 tokens accepted and 4% slower with 2; from 48, 32 rows were level or
+    faster, so the commit takes 32 rows wherever :func:`preferred` takes it.
     """
     return 16 if rows * layer_heads < MIN_PROGRAMS else 32
 
