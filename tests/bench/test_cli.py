@@ -47,6 +47,7 @@ def test_json_fields_and_tables(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert doc["command"].startswith("recoverssm bench --smoke --num-spec 3 --batch 1,2")
     assert doc["machine"]["device"] and doc["machine"]["torch"] == torch.__version__
     assert doc["method"]["reps"] == 2 and doc["method"]["flush_bytes"] == 1 << 20
+    assert doc["method"]["flush_mode"] == "write" and "--flush-mode" not in doc["command"]
     assert doc["roof"]["gbps"] > 0 and doc["roof"]["bytes"] == 2 * (1 << 30) // 64
     assert doc["peer"]["available"] is False  # no CUDA: the peer column is skipped cleanly
     assert any("fla-core peer column skipped" in n for n in doc["notes"])
@@ -137,6 +138,7 @@ def test_plot_is_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         (["--backend", "cuda"], "--backend"),
         (["--device", "tpu"], "--device"),
         (["--flush-mib", "nan"], "--flush-mib"),
+        (["--flush-mode", "clean"], "--flush-mode"),
         (["--mem-budget-gib", "-1"], "--mem-budget-gib"),
         (["--json", "/nonexistent-dir/x.json"], "--json"),
     ],
@@ -189,3 +191,15 @@ def test_a_failing_op_is_a_skipped_cell(tmp_path: Path, monkeypatch: pytest.Monk
     assert row["skipped"]["ours_full"].startswith("ZeroDivisionError")
     assert set(row["ops"]) == set(RECOVERY_OPS) and row["ratios"]["total_all/ours_full"] is None
     assert "ours_full skipped: ZeroDivisionError" in out
+
+
+def test_read_flush_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "bench.json"
+    code, out, err = _run(["bench", "--smoke", "--no-progress", "--num-spec", "3", "--batch",
+                           "1", "--layers", "1", "--reps", "1", "--warmup", "0",
+                           "--no-fidelity", "--flush-mode", "read", "--json", str(js)], capsys)
+    assert code == 0, err
+    doc = json.loads(js.read_text())
+    assert doc["method"]["flush_mode"] == "read"
+    assert doc["command"].endswith("--flush-mode read --no-fidelity")
+    assert "a flush that reads the flush buffer" in out

@@ -31,6 +31,22 @@ def test_eager_timer_counts_reps_and_flushes() -> None:
     assert calls == [0, 1, 0, 1, 2, 3, 4]  # every call sees a freshly written flush buffer
 
 
+def test_read_flush_reads_the_buffer_and_leaves_it() -> None:
+    timer = make_timer(CPU, smoke=True, flush_bytes=4096, warmup=1, reps=3, flush_mode="read")
+    seen: list[float] = []
+    timer.flush_buf.view(torch.float32).fill_(0.5)
+    bits = timer.flush_buf.clone()
+    timer.measure(lambda: seen.append(float(timer._flush_sum)))
+    # every call comes after a sum of the 1024 halves, read in the buffer's own width (no
+    # cast, no temporary), and nothing wrote the buffer
+    assert seen == [512.0] * 4 and torch.equal(timer.flush_buf, bits)
+    assert timer._flush_sum.dtype == torch.float32
+    assert "flush that reads the flush buffer" in timer.method
+    assert "flush that writes" in make_timer(CPU, True, 4096, 0, 1).method
+    with pytest.raises(ValueError, match="argument 'flush_mode': expected one of"):
+        make_timer(CPU, smoke=True, flush_bytes=4096, warmup=0, reps=1, flush_mode="clean")
+
+
 def test_timing_stats() -> None:
     t = Timing((3.0, 1.0, 2.0, 10.0))
     assert (t.median_ms, t.min_ms, t.max_ms) == (2.5, 1.0, 10.0)

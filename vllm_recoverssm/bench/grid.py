@@ -47,6 +47,7 @@ class BenchConfig:
     mem_budget_gib: float | None
     seed: int = 0
     fidelity: bool = True
+    flush_mode: str = "write"
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -65,6 +66,8 @@ class BenchConfig:
                   f"--head-dim {self.head_dim}", f"--dtype {self.dtype}",
                   f"--backend {self.backend}", f"--device {self.device}",
                   f"--flush-mib {self.flush_mib:g}", f"--roof-gib {self.roof_gib:g}"]
+        if self.flush_mode != "write":
+            parts.append(f"--flush-mode {self.flush_mode}")
         if self.mem_budget_gib is not None:
             parts.append(f"--mem-budget-gib {self.mem_budget_gib:g}")
         if not self.peer:

@@ -212,7 +212,8 @@ def run(cfg: BenchConfig, progress_enabled: bool = True) -> dict[str, Any]:
     """Measure the whole grid; returns the report (see :mod:`report` for its fields)."""
     dev = torch.device(cfg.device)
     peer = load_peer(dev, cfg.peer)
-    timer = make_timer(dev, cfg.smoke, int(cfg.flush_mib * MIB), cfg.warmup, cfg.reps)
+    timer = make_timer(dev, cfg.smoke, int(cfg.flush_mib * MIB), cfg.warmup, cfg.reps,
+                       cfg.flush_mode)
     budget = _budget(cfg, dev)
     grid = cfg.grid()
     per_point = 8 + (1 if peer.available else 0)
@@ -262,6 +263,7 @@ def run(cfg: BenchConfig, progress_enabled: bool = True) -> dict[str, Any]:
                   "lower_bound": LOWER_BOUND, "backend": cfg.backend},
         "method": {"timing": timer.method, "warmup": cfg.warmup, "reps": cfg.reps,
                    "flush_bytes": timer.flush_buf.numel() * 4,
+                   "flush_mode": timer.flush_mode,
                    "memory_budget_bytes": budget,
                    "bytes": "unique bytes per op (vllm_recoverssm.bench.accounting)",
                    "gbps": "unique bytes / median time, 1e9 bytes per second"},

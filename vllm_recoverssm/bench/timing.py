@@ -5,15 +5,24 @@ GPU method, per measured op:
 1. warm-up calls on a side stream (Triton compiles, the caching allocator settles), as
    CUDA-graph capture requires;
 2. one CUDA graph captures the whole op (for a layer stack: every layer's launches);
-3. every replay is preceded by an L2 flush: a write of a 256 MiB buffer, enqueued on the
-   same stream *outside* the graph. Stream order makes the op start only after the flush
-   has finished, so it finds none of its own data in L2 (the flush leaves L2 full of the
-   flush buffer's dirty lines, as a preceding layer would).
+3. every replay is preceded by an L2 flush of a 256 MiB buffer, enqueued on the same
+   stream *outside* the graph. Stream order makes the op start only after the flush has
+   finished, so it finds none of its own data in L2. The flush writes the buffer by
+   default (``write``): L2 is then full of the buffer's dirty lines, and the op's first
+   reads pay for writing up to an L2's worth of them back to memory, about 50 MiB on an
+   H100 or H200. ``read`` sums the buffer as float32 instead, so L2 holds clean lines, as
+   after a decode step's projections, which read weights: the op then pays no write-back
+   of lines it did not write. (In either mode the op's own last writes may still sit in
+   L2 when it ends.) On an H100 that sum takes about as long as the write (95-104 against
+   83-85 us) and leaves fla-core's times as the write does (0.98-1.00). A sum into int64,
+   tried first, took 472-477 us, and fla-core then ran 10-17% slower at batches up to 32,
+   even after a 1 ms pause (docs/bench/h100-2026-12-06-flush-modes.txt).
 4. CUDA events recorded right before and right after each replay bracket the op alone:
    the flush is not inside the interval, so no flush time has to be estimated and
    subtracted (which a flush inside the graph would need). The host enqueues the next
-   replay while the GPU still runs the ~60 us flush, so host launch latency is hidden
-   too; what remains is the GPU's own graph launch, as in a serving engine's graph.
+   replay while the GPU still runs the flush (83-104 us on an H100), so host launch
+   latency is hidden too; what remains is the GPU's own graph launch, as in a serving
+   engine's graph.
 5. warm-up replays, then the median over ``reps`` replays (all events read after one
    synchronisation at the end, so timing adds no host round trip per replay).
 """
@@ -28,6 +37,10 @@ from dataclasses import dataclass
 import torch
 
 Op = Callable[[], object]
+
+FLUSH_MODES = ("write", "read")
+"""How the L2 flush evicts: ``write`` leaves the flush buffer's dirty lines in L2, ``read``
+clean ones (module docstring, point 3)."""
 
 
 @dataclass(frozen=True)
@@ -60,18 +73,36 @@ class Timing:
 class Timer:
     """Measures an op; see the module docstring for the method."""
 
-    method: str = ""
+    method_text: str = "{flush}"
+    """The method line of the report, with ``{flush}`` for the flush's verb."""
 
-    def __init__(self, device: torch.device, flush_bytes: int, warmup: int, reps: int) -> None:
+    def __init__(self, device: torch.device, flush_bytes: int, warmup: int, reps: int,
+                 flush_mode: str = "write") -> None:
+        if flush_mode not in FLUSH_MODES:
+            raise ValueError(f"argument 'flush_mode': expected one of {FLUSH_MODES}, "
+                             f"got {flush_mode!r}")
         self.device = device
         self.warmup = warmup
         self.reps = reps
+        self.flush_mode = flush_mode
         # int32 so that fill_ with the repetition number writes every byte each time
         self.flush_buf = torch.empty(max(flush_bytes // 4, 1), dtype=torch.int32, device=device)
+        self.flush_buf.fill_(0)  # a read flush reads defined values (zeros as float32 too)
+        self._flush_sum = torch.zeros((), dtype=torch.float32, device=device)
 
     def flush(self, i: int) -> None:
-        """Overwrite the flush buffer (evicts the op's data from the last-level cache)."""
-        self.flush_buf.fill_(i & 0x7FFFFFFF)
+        """Evict the op's data from the last-level cache: overwrite the flush buffer
+        (``write``), or sum it (``read``), which leaves only clean lines behind."""
+        if self.flush_mode == "write":
+            self.flush_buf.fill_(i & 0x7FFFFFFF)
+        else:
+            # float32, the buffer's own width (an int64 sum was slow: module docstring)
+            torch.sum(self.flush_buf.view(torch.float32), dim=0, out=self._flush_sum)
+
+    @property
+    def method(self) -> str:
+        """How this timer measures, in words (the report's method line)."""
+        return self.method_text.format(flush="writes" if self.flush_mode == "write" else "reads")
 
     def measure(self, op: Op) -> Timing:
         """Time ``op``; subclasses implement the method."""
@@ -81,8 +112,9 @@ class Timer:
 class GraphTimer(Timer):
     """CUDA-graph replays with an L2 flush before each, timed by CUDA events."""
 
-    method = ("median of CUDA-graph replays, each preceded (outside the graph, same stream) "
-              "by an L2 flush that writes the flush buffer; CUDA events around the replay only")
+    method_text = ("median of CUDA-graph replays, each preceded (outside the graph, same "
+                   "stream) by an L2 flush that {flush} the flush buffer; CUDA events around "
+                   "the replay only")
 
     def measure(self, op: Op) -> Timing:
         """Capture ``op`` in one graph and time its replays."""
@@ -116,7 +148,8 @@ class GraphTimer(Timer):
 class EagerTimer(Timer):
     """Eager calls timed by the host clock (the CPU smoke mode; no graphs, no events)."""
 
-    method = "median of eager calls (host clock), each preceded by a write of the flush buffer"
+    method_text = ("median of eager calls (host clock), each preceded by a flush that {flush} "
+                   "the flush buffer")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -139,10 +172,10 @@ class EagerTimer(Timer):
 
 
 def make_timer(device: torch.device, smoke: bool, flush_bytes: int, warmup: int,
-               reps: int) -> Timer:
+               reps: int, flush_mode: str = "write") -> Timer:
     """Graph timing on CUDA, eager timing in smoke mode."""
     cls: type[Timer] = EagerTimer if smoke or device.type != "cuda" else GraphTimer
-    return cls(device, flush_bytes, warmup, reps)
+    return cls(device, flush_bytes, warmup, reps, flush_mode)
 
 
 def measure_roof(timer: Timer, copy_bytes: int) -> tuple[int, Timing]:

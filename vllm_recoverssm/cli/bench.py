@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench import grid
+from ..bench.timing import FLUSH_MODES
 from ..ops import BACKENDS
 from .args import (
     Choice,
@@ -47,6 +48,7 @@ DEFERRED_CHECKS: dict[str, Validator] = {
     "--backend": Choice(BACKENDS),
     "--device": Choice(("auto", "cuda", "cpu")),
     "--flush-mib": Float(0.0, 16384.0, lo_open=True),
+    "--flush-mode": Choice(FLUSH_MODES),
     "--roof-gib": Float(0.0, 64.0, lo_open=True),
     "--mem-budget-gib": Float(0.0, 65536.0, lo_open=True),
     "--seed": Int(0, 2**63 - 1),
@@ -84,6 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="ops backend: auto, triton or reference (default auto)")
     p.add_argument("--device", default="auto", metavar="NAME", help="auto, cuda or cpu")
     p.add_argument("--flush-mib", metavar="MIB", help="L2 flush buffer size (default 256)")
+    p.add_argument("--flush-mode", default="write", metavar="MODE",
+                   help="write: the flush leaves dirty lines in L2, whose write-back the "
+                        "timed op pays (default); read: it sums the buffer and leaves clean "
+                        "lines, as a decode step's weight reads do")
     p.add_argument("--roof-gib", metavar="GIB", help="roof copy size (default 2)")
     p.add_argument("--mem-budget-gib", metavar="GIB",
                    help="memory for one mode's state pools (default 80%% of free memory)")
@@ -129,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> grid.BenchConfig:
         reps=int(pick("--reps")),
         warmup=int(pick("--warmup")),
         flush_mib=float(pick("--flush-mib")),
+        flush_mode=_value(args, "--flush-mode"),
         roof_gib=float(pick("--roof-gib")),
         backend=backend,
         peer=not args.no_peer,
