@@ -55,6 +55,7 @@ def test_the_table_names_both_modes_the_allocation_and_wave_two() -> None:
     assert "every follow-up restored its earlier turn: yes" in text
     # no commit line logged: the plugin's default
     assert "  commit   eager, right after sampling" in text
+    assert "recovery with the connector: the commit right after sampling (not fused)" in text
     assert "record scratch of 196,608 B for 4 rows" in text
 
 
@@ -64,10 +65,14 @@ def test_the_table_shows_the_fused_commit_and_its_two_scratch_halves() -> None:
     rec.commit_lines = ["vllm-recoverssm: commit: fused into the next verify (record "
                         "scratch of 2 x 4 rows)"]
     rec.deferred_commit_steps = 5
+    assert report.checkpoints is not None
+    report.checkpoints["recovery"].fused_steps = 9
+    report.checkpoints["recovery"].export_settles = 2
     text = format_engine_report(report)
     assert "  commit   fused into the next verify (record scratch of 2 x 4 rows)" in text
     assert "record scratch of 196,608 B for 8 rows" in text
-    assert "the engines with the connector commit right after sampling" in text
+    assert ("recovery with the connector: commit fused in 9 steps; 2 commits of finished "
+            "requests' last records before their export") in text
     assert report.to_dict()["scratch_rows"] == 8
 
 

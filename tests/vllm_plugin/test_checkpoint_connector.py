@@ -7,7 +7,9 @@ changed prompt tail, a follow-up turn.
 * ``LLM(kv_transfer_config=...)`` with the RAM backend: wave 1 restores from wave 0 inside
   one engine; these engines draft the cold continuation at about 50% acceptance, so
   full-state exports meet vLLM's lazy layout (accepted column and conv offset) and
-  recovery exports a page that committed several tokens;
+  recovery exports a page that committed several tokens; recovery also with the commit
+  fused into the next verify, where a finished request's last records are committed
+  just before its export;
 * ``vllm serve --kv-transfer-config ...`` with the disk backend: a first server answers
   wave 0 over HTTP and is stopped; a fresh server restores wave 1 from disk, one bundle
   damaged on disk in between;
@@ -85,7 +87,7 @@ def engines(model: str, workdir: Path) -> dict[str, Any]:
     """Every engine of this module, in two lanes (one core each where there are two):
 
     * the cold run (both waves, no connector, every draft wrong), then the recovery RAM
-      engine, then the recovery disk restart;
+      engines (eager and fused commit), then the recovery disk restart;
     * the full-state disk restart, then the full-state RAM engine and the deliberately
       wrong-order engine (they draft the cold continuations, so they wait for it).
 
@@ -105,7 +107,9 @@ def engines(model: str, workdir: Path) -> dict[str, Any]:
             got.set_exception(exc)
             raise
         on = _run(_spec(model, "on", got.result()[1], kv_transfer_config=ram), workdir, env)
-        return {"cold": cold, "on": on,
+        fused = _run(_spec(model, "on", got.result()[1], kv_transfer_config=ram,
+                           commit="fused"), workdir, env)
+        return {"cold": cold, "on": on, "fused": fused,
                 "disk_on": _disk_restart(model, workdir, "on", env)}
 
     def lane_full_state(env: dict[str, str]) -> dict[str, Any]:
@@ -165,6 +169,28 @@ def test_ram_restore_within_one_engine_gives_the_cold_tokens(
     assert stats["logits_max_abs_diff"] < 1e-3
     assert stats["export_failures"] == 0
     assert stats["exported"]["prompt"] >= 5 and stats["exported"]["interval"] >= 4
+
+
+def test_the_fused_commit_exports_committed_states(
+    engines: dict[str, Any], cold: EngineReport,
+) -> None:
+    """Recovery with the commit fused into the next verify and the RAM store: each
+    finished request's last records are committed before its response bundle is read,
+    so the follow-up turn restores it and continues with the cold tokens."""
+    run, eager = engines["fused"], engines["on"]
+    assert run.recovery and 0.2 < run.acceptance < 0.9, run.acceptance
+    assert any("fused into the next verify" in line for line in run.commit_lines), \
+        run.commit_lines
+    first, second = run.waves
+    assert first.outputs == cold.waves[0].outputs
+    assert second.num_cached_tokens == WAVE1_RESTORED
+    assert second.outputs == cold.waves[1].outputs
+    assert run.deferred_commit_steps > 0 and run.export_settles > 0
+    stats, eager_stats = run.connector, eager.connector
+    assert stats is not None and eager_stats is not None
+    assert stats["restored"] == 4 and stats["load_failures"] == 0
+    assert stats["export_failures"] == 0
+    assert stats["exported"]["response"] == eager_stats["exported"]["response"] > 0
 
 
 def test_capturing_before_the_commit_restores_wrong_tokens(

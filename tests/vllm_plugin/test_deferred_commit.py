@@ -55,6 +55,30 @@ def test_more_rows_than_a_scratch_half_is_refused() -> None:
         DeferredCommits(rows=0, device=torch.device("cpu"))
 
 
+def test_an_export_commits_its_requests_rows_first_and_once() -> None:
+    d = DeferredCommits(rows=4, device=torch.device("cpu"))
+    assert d.request_commit({"a"}) is None  # nothing deferred yet
+    _, _, rows = d.take(t(4, 6, 9, -1))
+    d.defer(t(4, 6, 9, -1), t(3, 2, 1, 0), rows, num_slots=12, keys=["a", "b", "c", None])
+    due = d.request_commit({"b", "c", "z"})  # "b" and "c" finished; "z" was not deferred
+    assert due is not None
+    plan, records = due
+    assert plan.state_indices.tolist() == [-1, 6, 9, -1]
+    assert plan.commit_lens.tolist() == [0, 2, 1, 0] and records[1:3].tolist() == [1, 2]
+    assert d.request_commit({"b"}) is None and d.export_settles == 1
+    # the next step verifies "a" again: no standalone commit left, and "a" replays its 3
+    assert not d.needs_settle(["a"])
+    stale = d.stale_commit(t(4))
+    assert stale is not None and stale[0].state_indices.tolist() == [-1, -1, -1, -1]
+    assert d.take(t(4))[0].tolist() == [3]
+    # rows whose requests the host does not know are all committed
+    _, _, rows = d.take(t(5, 7))
+    d.defer(t(5, 7), t(2, 4), rows, num_slots=12)
+    due = d.request_commit({"x"})
+    assert due is not None and due[0].state_indices.tolist() == [5, 7]
+    assert d.pending_lens is not None and int(d.pending_lens.sum()) == 0
+
+
 def test_the_standalone_commit_is_skipped_only_when_every_deferred_request_returns() -> None:
     d = DeferredCommits(rows=4, device=torch.device("cpu"))
     assert not d.needs_settle(["a"])  # nothing deferred yet

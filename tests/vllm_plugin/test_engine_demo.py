@@ -54,6 +54,11 @@ def test_demo_engine_vllm_serves_both_modes_and_restores_wave_two_from_disk(
         assert wave2["restored_per_request"] == [n + 8 - 1 for n in lengths]
         assert wave2["computed_restored"] == wave2["prompt_tokens"] - sum(
             wave2["restored_per_request"]) < wave2["computed_cold"]
+    # the recovery engines with the connector fuse the commit too, and commit each finished
+    # request's last records before exporting it
+    rec2, full2 = report["checkpoints"]["recovery"], report["checkpoints"]["full_state"]
+    assert rec2["fused_steps"] > 0 and rec2["export_settles"] > 0
+    assert full2["fused_steps"] == full2["export_settles"] == 0
     assert any(store.rglob("*")), "the disk store stays where --checkpoint-dir named"
 
 

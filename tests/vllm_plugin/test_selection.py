@@ -245,6 +245,28 @@ def test_fused_commit_falls_back_to_eager_and_says_why(build_config: Any) -> Non
     assert not fused_commit_enabled(off) and commit_summary(off) is None
 
 
+def test_fused_commit_takes_the_plugins_connector_only(build_config: Any) -> None:
+    """The checkpoint connector commits a finished request's records before it exports it;
+    another request-boundary connector would read them uncommitted."""
+    import copy
+
+    from vllm.config import KVTransferConfig
+
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector import CONNECTOR_NAME
+
+    cfg = build_config(*MTP3, *FUSED)
+    boundary = {"request_boundary_checkpoints": True}
+    for name, blocked in ((CONNECTOR_NAME, False), ("LMCacheConnectorV1", True)):
+        with_connector = copy.copy(cfg)
+        object.__setattr__(with_connector, "kv_transfer_config", KVTransferConfig(
+            kv_connector=name, kv_role="kv_both", kv_connector_extra_config=boundary))
+        with on_gpu(v2_runner=False):
+            assert fused_commit_enabled(with_connector) is not blocked
+            assert fused_commit_blockers(with_connector) == (
+                ["a KV connector other than the plugin's may export the state between "
+                 "steps"] if blocked else [])
+
+
 def test_an_unknown_commit_mode_is_refused_naming_the_key(build_config: Any) -> None:
     with pytest.raises(ValueError, match=r"additional_config\['recoverssm_commit'\]: "
                        "expected one of eager, fused, got 'later'"):

@@ -82,7 +82,11 @@ def format_checkpoints(report: EngineDemoReport) -> list[str]:
         lines.append(f"exports still unwritten when an engine stopped: {', '.join(unflushed)}")
     lines.append("times are wave 2's generate() alone (prefill and "
                  f"{o.max_new_tokens} decoded tokens per request), engine start-up excluded")
-    if o.fused_commit:
-        lines.append("the engines with the connector commit right after sampling: the fused "
-                     "commit does not apply with a KV connector")
+    rec = report.checkpoints.get("recovery")
+    if o.fused_commit and rec is not None:
+        lines.append(
+            f"recovery with the connector: commit fused in {rec.fused_steps} steps; "
+            f"{rec.export_settles} commits of finished requests' last records before their "
+            "export" if rec.fused_steps else
+            "recovery with the connector: the commit right after sampling (not fused)")
     return lines

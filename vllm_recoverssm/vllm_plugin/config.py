@@ -90,20 +90,29 @@ def fused_commit_blockers(vllm_config: VllmConfig) -> list[str]:
 
     The deferred records live in the step-row scratch until the request's next verify, so
     nothing else may read the state in between: no prefix-cache block (mode ``align``) and
-    no KV connector export. Runner V2 commits through vLLM's model state, and b12x has no
-    fused verify; both keep the eager commit.
+    no export of another KV connector (the plugin's checkpoint connector commits a finished
+    request's records before it exports it). Runner V2 commits through vLLM's model state,
+    and b12x has no fused verify; both keep the eager commit.
     """
     out: list[str] = []
     if vllm_config.use_v2_model_runner:
         out.append("model runner V2 commits through vLLM's model state")
     if vllm_config.cache_config.mamba_cache_mode == "align":
         out.append("prefix caching caches state blocks between steps")
-    if kv_connector_kind(vllm_config) is not None:
-        out.append("a KV connector may export the state between steps")
+    if kv_connector_kind(vllm_config) is not None and not _own_connector(vllm_config):
+        out.append("a KV connector other than the plugin's may export the state between "
+                   "steps")
     cap = cuda_capability()
     if cap is not None and choose_kernel_backend(cap) == "b12x":
         out.append("b12x runs verify and commit here and has no fused verify")
     return out
+
+
+def _own_connector(vllm_config: VllmConfig) -> bool:
+    from .distributed.kv_connector.settings import CONNECTOR_NAME
+
+    kt = vllm_config.kv_transfer_config
+    return kt is not None and kt.kv_connector == CONNECTOR_NAME
 
 
 def _fused_commit_asked(vllm_config: VllmConfig) -> bool:

@@ -98,6 +98,10 @@ class WaveTwo:
     restored: WaveReport
     connector: dict[str, Any]
     flushed: bool
+    fused_steps: int = 0
+    """Steps whose commit the engine(s) with the connector fused into the next verify."""
+    export_settles: int = 0
+    """Their commits of finished requests' last records before the export."""
 
     @property
     def restored_tokens(self) -> int:
@@ -134,7 +138,8 @@ class WaveTwo:
                 "cold_seconds": self.cold.seconds, "restored_seconds": self.restored.seconds,
                 "outputs_identical": self.outputs_identical,
                 "every_request_restored": self.every_request_restored,
-                "exports_flushed": self.flushed, "connector": self.connector}
+                "exports_flushed": self.flushed, "connector": self.connector,
+                "fused_steps": self.fused_steps, "export_settles": self.export_settles}
 
 
 @dataclass
@@ -294,7 +299,8 @@ def _restored_wave(backend: str, store: Path, name: str, cold: EngineReport, ora
         kv = checkpoint_config("ram", None)
         both = run_in_subprocess(spec(mode, oracle, kv_transfer_config=kv), runs)
         return WaveTwo(backend, cold.waves[1], both.waves[1], both.connector or {},
-                       bool(both.checkpoints_flushed))
+                       bool(both.checkpoints_flushed), both.deferred_commit_steps,
+                       both.export_settles)
     kv = checkpoint_config("disk", store)
     say(f"{MODE_TITLES[name]} with disk checkpoints, wave 1 (exports)")
     first = run_in_subprocess(spec(mode, oracle, waves=[], kv_transfer_config=kv),
@@ -306,7 +312,9 @@ def _restored_wave(backend: str, store: Path, name: str, cold: EngineReport, ora
     stats = dict(second.connector or {})
     stats["exported_by_first_engine"] = (first.connector or {}).get("exported", {})
     return WaveTwo(backend, cold.waves[1], _wave_of(second, second_prompts), stats,
-                   bool(first.checkpoints_flushed) and bool(second.checkpoints_flushed))
+                   bool(first.checkpoints_flushed) and bool(second.checkpoints_flushed),
+                   first.deferred_commit_steps + second.deferred_commit_steps,
+                   first.export_settles + second.export_settles)
 
 
 def engine_count(options: EngineDemoOptions) -> int:

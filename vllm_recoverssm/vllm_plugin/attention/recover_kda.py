@@ -16,10 +16,12 @@ commit and one conv compaction for all KDA layers of the KV-cache group, before 
 step (and before any request-boundary export) reads the state.
 
 With ``additional_config["recoverssm_commit"]="fused"`` (runner V1, no prefix caching, no
-KV connector) the commit after sampling only records what is pending
+KV connector but the plugin's own) the commit after sampling only records what is pending
 (:mod:`..worker.deferred_commit`); the builder of the next step settles it before the
 forward: rows verified again replay their records inside the fused verify, every other
-row is committed on its own.
+row is committed on its own. The checkpoint connector commits a finished request's rows
+before it exports them, at the start of that step
+(:meth:`RecoveryCommitContext.settle_requests`).
 
 Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models; runner
 V2) keeps a state block every ``B`` tokens. There the builder takes vLLM's aligned state
@@ -225,6 +227,15 @@ class RecoveryCommitContext:
         stale = self.deferred.stale_commit(slots)
         if stale is not None:
             self.commit(*stale)
+
+    def settle_requests(self, keys: set[str]) -> None:
+        """Commit, on their own and now, the deferred rows of requests ``keys`` (fused
+        commit only): an export reads their states before the next step's build."""
+        if self.deferred is None:
+            return
+        due = self.deferred.request_commit(keys)
+        if due is not None:
+            self.commit(*due)
 
     def set_step(self, metadata: RecoverKDAMetadata | None) -> None:
         """Remember this step's metadata for the post-sampling commit (runner V1)."""

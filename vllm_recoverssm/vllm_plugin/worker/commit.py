@@ -59,15 +59,24 @@ def register_commit_context(context: RecoveryCommitContext) -> None:
 
 def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
     """The fused commit's step counts over the recovery groups of ``forward_context`` (a
-    runner's layer table): ``deferred_commit_steps``, ``settles``, ``settles_skipped``
-    (all 0 under the eager commit)."""
+    runner's layer table): ``deferred_commit_steps``, ``settles``, ``settles_skipped``,
+    ``export_settles`` (all 0 under the eager commit)."""
     tables = [c.deferred for c in list(_contexts)
               if c.forward_context is forward_context and c.deferred is not None]
     return {
         "deferred_commit_steps": sum(d.deferred_steps for d in tables),
         "settles": sum(d.settles for d in tables),
         "settles_skipped": sum(d.settles_skipped for d in tables),
+        "export_settles": sum(d.export_settles for d in tables),
     }
+
+
+def settle_requests(forward_context: dict[str, Any], request_ids: set[str]) -> None:
+    """Commit the pending records of requests ``request_ids`` (fused commit) in every
+    recovery group of ``forward_context``, before an export reads their states."""
+    for context in list(_contexts):
+        if context.forward_context is forward_context:
+            context.settle_requests(request_ids)
 
 
 def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:

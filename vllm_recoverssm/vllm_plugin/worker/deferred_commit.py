@@ -14,6 +14,11 @@ settles all of them before its forward runs:
   scheduled, or runs as a prompt or plain decode row -- is committed on its own (with its
   conv history compacted), so whatever reads the slot next sees a committed state.
 
+One reader comes before that build: the request-boundary connector exports a finished
+request's state at the start of the next step. It first commits that request's rows on
+their own (:meth:`DeferredCommits.request_commit`), which also takes them off the build's
+list.
+
 The counts live on the device and are never read by the host, so nothing here syncs. When
 the host knows which requests the deferred rows and the new step's speculative rows belong
 to (runner V1's batch), a step that verifies every deferred request again skips the
@@ -62,6 +67,8 @@ class DeferredCommits:
         """Steps that ran the standalone commit of rows not verified again (host count)."""
         self.settles_skipped = 0
         """Steps that skipped it: every deferred request was verified again (host count)."""
+        self.export_settles = 0
+        """Standalone commits of finished requests before their export (host count)."""
 
     @property
     def scratch_rows(self) -> int:
@@ -97,11 +104,16 @@ class DeferredCommits:
             return None
         old = self._deferred_slots[:n]
         live = old >= 0
-        at = old.clamp(min=0).long()
-        lens = torch.where(live, self.pending_lens[at], 0)
         if slots.numel():
             live &= ~torch.isin(old, slots[slots >= 0])
-        lens = torch.where(live, lens, 0)
+        return self._commit_rows(live)
+
+    def _commit_rows(self, live: torch.Tensor) -> tuple[ops.CommitPlan, torch.Tensor]:
+        """The standalone commit of the deferred rows where ``live``; clears their counts."""
+        assert self.pending_lens is not None and self.pending_rows is not None
+        old = self._deferred_slots[:self._num_deferred]
+        at = old.clamp(min=0).long()
+        lens = torch.where(live, self.pending_lens[at], 0)
         # Rows with nothing to replay become null rows: the commit skips them whole.
         plan = ops.CommitPlan(
             state_indices=torch.where(live & (lens > 0), old, -1).to(INDEX).contiguous(),
@@ -110,6 +122,30 @@ class DeferredCommits:
         records = self.pending_rows[at].contiguous()
         self.pending_lens.index_put_((at,), torch.where(live, 0, self.pending_lens[at]))
         return plan, records
+
+    def request_commit(self, keys: set[str]) -> tuple[ops.CommitPlan, torch.Tensor] | None:
+        """The standalone commit of the deferred rows of requests ``keys`` (an export is
+        about to read their states), as ``(plan, record_rows)``; of every deferred row
+        where the host does not know the rows' requests. None when no such row can be
+        pending. Clears those rows' pending counts and drops their requests from the
+        deferred step, so the next step's settle neither commits them again nor waits
+        for them to be verified."""
+        n = self._num_deferred
+        if n == 0 or not keys or self.pending_lens is None or self.pending_rows is None:
+            return None
+        old_keys = self._deferred_keys
+        picked = [True] * n if old_keys is None else [k is not None and k in keys
+                                                      for k in old_keys]
+        if not any(picked):
+            return None
+        live = (self._deferred_slots[:n] >= 0) & torch.tensor(picked, dtype=torch.bool,
+                                                               device=self.device)
+        due = self._commit_rows(live)
+        if old_keys is not None:
+            self._deferred_keys = [None if p else k
+                                   for k, p in zip(old_keys, picked, strict=True)]
+        self.export_settles += 1
+        return due
 
     def take(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This step's fused-verify inputs for speculative slots ``slots``:

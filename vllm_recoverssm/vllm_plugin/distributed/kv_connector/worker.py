@@ -4,7 +4,8 @@ One per tensor-parallel rank; it owns this rank's store (its part of every bundl
 Under vLLM's model runner V1 a step runs, in this order:
 
 1. ``handle_preemptions`` (first thing of the step): export finished requests' response
-   bundles from their held blocks, and install this step's state taps;
+   bundles from their held blocks (under the fused commit, after committing their last
+   step's pending records), and install this step's state taps;
 2. the forward, where the plugin's KDA layers hand over tapped states;
 3. ``start_load_kv`` (after the forward; restored requests are not in the batch): read,
    check and write each restore, or report it failed;
@@ -31,7 +32,7 @@ import torch
 from ....checkpoint import CheckpointStore, RequestCheckpoint
 from ... import compat
 from ...config import recovery_enabled
-from ...worker.commit import register_commit_limit, sampled_counts
+from ...worker.commit import register_commit_limit, sampled_counts, settle_requests
 from . import taps
 from .identity import layout_identity
 from .index import add_entry
@@ -148,6 +149,10 @@ class WorkerSide:
         self._step += 1
         self._meta = meta
         self._prompts.update(meta.prompts)
+        if self.recovery and meta.exports:
+            # the fused commit defers a step's records into the request's next verify,
+            # which a finished request never runs: commit them before reading the state
+            settle_requests(self._layers, {export.req_id for export in meta.exports})
         for export in meta.exports:
             self._export(export)
         self._captures = list(meta.captures)
