@@ -60,6 +60,23 @@ def test_plan_json_align_budget(capsys):
     assert data["gpu_memory_gib"] == 40
 
 
+@pytest.mark.parametrize("extra, fused", [
+    ([], True),                                    # auto, as the plugin's default
+    (["--commit", "fused"], True),
+    (["--commit", "eager"], False),
+    (["--cache-mode", "align", "--block-size", "64"], False),  # the plugin commits eagerly
+    (["--commit", "fused", "--cache-mode", "align", "--block-size", "64"], False),
+])
+def test_plan_counts_the_scratch_rows_of_the_plugins_commit(capsys, extra, fused):
+    code, out, _ = run(["plan", "--max-num-seqs", "8", "--json", *extra], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["fused_commit"] is fused
+    scratch = next(lp for lp in data["layouts"] if lp["name"] == "recovery_scratch")
+    per_row = data["num_linear_layers"] * data["record_bytes"]
+    assert scratch["scratch_bytes"] == (2 if fused else 1) * 8 * per_row
+
+
 def test_plan_budget_table(capsys):
     code, out, _ = run(["plan", "--model", "kimi-linear", "--tp", "4", "--gpu-memory", "20",
                         "--max-model-len", "131072"], capsys)

@@ -87,7 +87,7 @@ def engines(model: str, workdir: Path) -> dict[str, Any]:
     """Every engine of this module, in two lanes (one core each where there are two):
 
     * the cold run (both waves, no connector, every draft wrong), then the recovery RAM
-      engines (eager and fused commit), then the recovery disk restart;
+      engines (the eager commit, then the default: fused), then the recovery disk restart;
     * the full-state disk restart, then the full-state RAM engine and the deliberately
       wrong-order engine (they draft the cold continuations, so they wait for it).
 
@@ -106,9 +106,9 @@ def engines(model: str, workdir: Path) -> dict[str, Any]:
         except BaseException as exc:
             got.set_exception(exc)
             raise
-        on = _run(_spec(model, "on", got.result()[1], kv_transfer_config=ram), workdir, env)
-        fused = _run(_spec(model, "on", got.result()[1], kv_transfer_config=ram,
-                           commit="fused"), workdir, env)
+        on = _run(_spec(model, "on", got.result()[1], kv_transfer_config=ram,
+                        commit="eager"), workdir, env)
+        fused = _run(_spec(model, "on", got.result()[1], kv_transfer_config=ram), workdir, env)
         return {"cold": cold, "on": on, "fused": fused,
                 "disk_on": _disk_restart(model, workdir, "on", env)}
 
@@ -120,7 +120,7 @@ def engines(model: str, workdir: Path) -> dict[str, Any]:
         wrong = EngineRun(
             model=model, mode="on", num_spec=S, oracle=right, prompts=first,
             waves=[[FollowUp(after=(0, 1), extra=FOLLOW_UP_EXTRA)]], max_tokens=MAX_TOKENS,
-            engine=ENGINE,
+            engine=ENGINE, commit="eager",
             kv_transfer_config=kv_config("ram", _test_capture_stage="pre_commit"))
         return {"off": off, "disk_off": disk_off,
                 "wrong": _run(wrong, workdir, {**env, TESTING_ENV: "1"})}
@@ -174,9 +174,9 @@ def test_ram_restore_within_one_engine_gives_the_cold_tokens(
 def test_the_fused_commit_exports_committed_states(
     engines: dict[str, Any], cold: EngineReport,
 ) -> None:
-    """Recovery with the commit fused into the next verify and the RAM store: each
-    finished request's last records are committed before its response bundle is read,
-    so the follow-up turn restores it and continues with the cold tokens."""
+    """Recovery with the RAM store and the default commit, fused into the next verify:
+    each finished request's last records are committed before its response bundle is
+    read, so the follow-up turn restores it and continues with the cold tokens."""
     run, eager = engines["fused"], engines["on"]
     assert run.recovery and 0.2 < run.acceptance < 0.9, run.acceptance
     assert any("fused into the next verify" in line for line in run.commit_lines), \

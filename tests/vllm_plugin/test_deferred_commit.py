@@ -79,6 +79,25 @@ def test_an_export_commits_its_requests_rows_first_and_once() -> None:
     assert d.pending_lens is not None and int(d.pending_lens.sum()) == 0
 
 
+def test_a_restore_commits_every_deferred_row_first_and_ends_the_deferred_step() -> None:
+    """A step without a forward, then a restore into the slot of a finished request that
+    was never exported: its records must not reach the restored state at the next build."""
+    d = DeferredCommits(rows=4, device=torch.device("cpu"))
+    assert d.pending_commit() is None  # nothing deferred yet
+    _, _, rows = d.take(t(4, 6, -1))
+    d.defer(t(4, 6, -1), t(3, 2, 1), rows, num_slots=12, keys=["a", "b", None])
+    due = d.pending_commit()
+    assert due is not None and d.load_settles == 1
+    plan, records = due
+    assert plan.state_indices.tolist() == [4, 6, -1]
+    assert plan.commit_lens.tolist() == [3, 2, 0] and records[:2].tolist() == rows[:2].tolist()
+    assert d.pending_lens is not None and int(d.pending_lens.sum()) == 0
+    # the next build: nothing to commit on its own, nothing for the fused verify
+    assert d.pending_commit() is None and not d.needs_settle(["c"])
+    assert d.stale_commit(t(6)) is None
+    assert d.take(t(6))[0].tolist() == [0]
+
+
 def test_the_standalone_commit_is_skipped_only_when_every_deferred_request_returns() -> None:
     d = DeferredCommits(rows=4, device=torch.device("cpu"))
     assert not d.needs_settle(["a"])  # nothing deferred yet

@@ -130,8 +130,10 @@ def test_preemption_under_a_tiny_cache_budget_and_the_state_blocks_vllm_allocate
     assert (on.blocks_per_request, off.blocks_per_request) == (1, num_spec + 1)
     assert off.state_bytes_per_request == (num_spec + 1) * on.state_bytes_per_request
     assert on.max_concurrency == (num_spec + 1) * off.max_concurrency == blocks
-    # the record scratch: max_num_seqs rows of S+1 FP32 corrections and bf16 k|g, per layer
-    rows = CHUNKED["max_num_seqs"]
+    # the record scratch: per layer, two halves (the default commit is fused here) of
+    # max_num_seqs rows of S+1 FP32 corrections and bf16 k|g
+    assert pair.on.deferred_commit_steps > 0
+    rows = 2 * CHUNKED["max_num_seqs"]
     assert on.scratch_bytes == 3 * rows * 4 * (num_spec + 1) * 128 * (4 + 2 * 2)
     assert off.scratch_bytes == 0
 

@@ -219,10 +219,37 @@ def test_fused_commit_applies_under_runner_v1_without_a_cache_or_connector(
         assert commit_summary(cfg) == (
             "commit: fused into the next verify (record scratch of 2 x "
             f"{cfg.scheduler_config.max_num_seqs} rows)")
-    # eager is the default, and nothing is logged for it
+    # auto, the default, fuses it too; eager is asked for by name, and nothing is logged
     plain = build_config(*MTP3)
-    assert requested_commit(plain) == "eager" and not fused_commit_enabled(plain)
-    assert commit_summary(plain) is None
+    assert requested_commit(plain) == "auto"
+    with on_gpu(v2_runner=False):
+        assert fused_commit_enabled(plain) and commit_summary(plain) == commit_summary(cfg)
+    eager = build_config(*MTP3, "--additional-config", '{"recoverssm_commit": "eager"}')
+    with on_gpu(v2_runner=False):
+        assert not fused_commit_enabled(eager) and commit_summary(eager) is None
+
+
+def test_a_fallback_warns_only_when_fused_was_asked_for(
+    build_config: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under runner V2 the commit stays eager: a warning for ``fused``, information for
+    the default."""
+    import logging
+
+    levels = {}
+    for name, extra in (("fused", FUSED), ("auto", ())):
+        cfg = build_config(*MTP3, *extra)
+        decision = decide_for_vllm_config(cfg)
+        plugin_config._logged.clear()
+        caplog.clear()
+        logger = logging.getLogger(plugin_config.LOGGER_NAME)
+        with on_gpu(v2_runner=True), mock.patch.object(logger, "propagate", True), \
+                caplog.at_level(logging.INFO, logger=plugin_config.LOGGER_NAME):
+            plugin_config.log_decision_once(cfg, decision)
+        lines = [r for r in caplog.records if "commit: eager, not fused" in r.getMessage()]
+        assert len(lines) == 1, caplog.text
+        levels[name] = lines[0].levelno
+    assert levels == {"fused": logging.WARNING, "auto": logging.INFO}
 
 
 def test_fused_commit_falls_back_to_eager_and_says_why(build_config: Any) -> None:
@@ -269,5 +296,5 @@ def test_fused_commit_takes_the_plugins_connector_only(build_config: Any) -> Non
 
 def test_an_unknown_commit_mode_is_refused_naming_the_key(build_config: Any) -> None:
     with pytest.raises(ValueError, match=r"additional_config\['recoverssm_commit'\]: "
-                       "expected one of eager, fused, got 'later'"):
+                       "expected one of auto, eager, fused, got 'later'"):
         build_config(*MTP3, "--additional-config", '{"recoverssm_commit": "later"}')

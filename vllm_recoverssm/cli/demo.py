@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--separate-commit", action="store_true",
                    help="recovery: commit after each step on its own instead of inside the "
                         "next step's verify (with --engine vllm: the plugin's "
-                        "recoverssm_commit 'eager' instead of 'fused')")
+                        "recoverssm_commit 'eager' instead of its default, 'auto')")
     p.add_argument("--max-prefill-tokens", type=Int(1, MAX_PREFILL_TOKENS), default=None,
                    help="prompt tokens one step may prefill (default: 64 on CPU; on GPU "
                         f"{GPU_PREFILL_TOKENS}, the whole batch's prompts in one step)")

@@ -88,10 +88,12 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                    help="attention KV cache dtype (default auto: the activation dtype)")
     d.add_argument("--max-num-seqs", type=Int(1, MAX_NUM_SEQS), default=256,
                    help="running requests at most (scratch rows; default 256)")
-    d.add_argument("--commit", choices=("eager", "fused"), default="eager",
-                   help="recovery commit: eager (after sampling, default) or fused into the "
-                        "next verify (two scratch rows per running request; the plugin's "
-                        "additional_config recoverssm_commit)")
+    d.add_argument("--commit", choices=("auto", "eager", "fused"), default="auto",
+                   help="recovery commit, as the plugin's additional_config "
+                        "recoverssm_commit: fused into the next verify (two scratch rows "
+                        "per running request) or eager (after sampling, one row); auto, the "
+                        "default, and fused are fused except with --cache-mode align, "
+                        "where the plugin commits eagerly")
     d.add_argument("--max-model-len", type=Int(1, MAX_MODEL_LEN),
                    help="context length of a max-length request (default: the model's)")
     d.add_argument("--gpu-memory", type=Float(0.0, MAX_GPU_MEMORY_GIB, lo_open=True),
@@ -136,6 +138,14 @@ def _check_cache_flags(args: argparse.Namespace) -> None:
         raise flag_error("--prefill-checkpoints", "applies only with --cache-mode align")
 
 
+def fused_commit(args: argparse.Namespace) -> bool:
+    """Whether the plugin would fuse the commit in the deployment the flags describe.
+
+    The plugin never fuses it in align mode (prefix caching); what else keeps it eager
+    (model runner V2, b12x, another KV connector) changes no state bytes."""
+    return args.commit != "eager" and args.cache_mode != "align"
+
+
 def plan_config_from_args(args: argparse.Namespace) -> PlanConfig:
     """Validate the flags into a :class:`PlanConfig` (one-line UsageError if invalid)."""
     spec = model_from_args(args)
@@ -148,7 +158,7 @@ def plan_config_from_args(args: argparse.Namespace) -> PlanConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             gpu_memory_gib=args.gpu_memory,
             prefill_checkpoint_blocks=int(args.prefill_checkpoints),
-            fused_commit=args.commit == "fused",
+            fused_commit=fused_commit(args),
         ))
     except ValidationError as exc:
         raise UsageError(validation_message(exc, PLAN_FIELD_FLAGS)) from None

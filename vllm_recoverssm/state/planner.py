@@ -65,7 +65,7 @@ class PlanConfig(BaseModel):
     fused_commit: bool = False
     """The commit fused into the next verify: scratch records live one step longer, so
     the scratch has two rows per running request (the vLLM plugin's
-    ``recoverssm_commit: fused``)."""
+    ``recoverssm_commit`` ``auto``, its default, or ``fused``, where it applies)."""
 
     @model_validator(mode="after")
     def _align(self) -> PlanConfig:

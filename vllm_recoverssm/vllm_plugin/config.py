@@ -36,14 +36,18 @@ CONFIG_KEY = "recoverssm"
 """Key in ``--additional-config``: ``{"recoverssm": "auto" | "on" | "off"}``."""
 
 COMMIT_KEY = "recoverssm_commit"
-"""Key in ``--additional-config``: ``{"recoverssm_commit": "eager" | "fused"}``.
+"""Key in ``--additional-config``: ``{"recoverssm_commit": "auto" | "eager" | "fused"}``.
 
-``eager`` (the default) commits each step's accepted tokens right after sampling.
-``fused`` defers them into the request's next verify (one launch that reads the state once
-and writes it once); it doubles the record scratch (``2 * max_num_seqs`` rows) and applies
-only where :func:`fused_commit_blockers` finds nothing against it."""
+``fused`` defers each step's accepted tokens into the request's next verify (one launch
+that reads the state once and writes it once); it doubles the record scratch
+(``2 * max_num_seqs`` rows) and applies only where :func:`fused_commit_blockers` finds
+nothing against it, the eager commit running elsewhere. ``eager`` commits them right after
+sampling, in a launch of its own that reads and writes the state a second time. ``auto``
+(the default) is ``fused`` where it applies and ``eager`` elsewhere; ``fused`` differs from
+it only in warning when it cannot apply."""
 
-COMMIT_MODES = ("eager", "fused")
+COMMIT_MODES = ("auto", "eager", "fused")
+DEFAULT_COMMIT = "auto"
 
 REQUEST_BOUNDARY_KEY = "request_boundary_checkpoints"
 """``kv_connector_extra_config`` flag a connector sets when it only exports atomic
@@ -73,9 +77,9 @@ def requested_mode(vllm_config: VllmConfig) -> RecoveryMode:
 
 
 def requested_commit(vllm_config: VllmConfig) -> str:
-    """The commit mode asked for in ``additional_config`` (``eager`` when absent)."""
+    """The commit mode asked for in ``additional_config`` (``auto`` when absent)."""
     extra = vllm_config.additional_config
-    value = extra.get(COMMIT_KEY, "eager") if isinstance(extra, dict) else "eager"
+    value = extra.get(COMMIT_KEY, DEFAULT_COMMIT) if isinstance(extra, dict) else DEFAULT_COMMIT
     mode = str(value).lower()
     if mode not in COMMIT_MODES:
         raise ValueError(
@@ -116,7 +120,7 @@ def _own_connector(vllm_config: VllmConfig) -> bool:
 
 
 def _fused_commit_asked(vllm_config: VllmConfig) -> bool:
-    return requested_commit(vllm_config) == "fused" and recovery_enabled(vllm_config)
+    return requested_commit(vllm_config) != "eager" and recovery_enabled(vllm_config)
 
 
 def fused_commit_enabled(vllm_config: VllmConfig) -> bool:
@@ -259,7 +263,7 @@ def recovery_enabled(vllm_config: VllmConfig) -> bool:
 
 
 def commit_summary(vllm_config: VllmConfig) -> str | None:
-    """One line on the commit mode when ``fused`` was asked for (None otherwise)."""
+    """One line on the commit mode unless ``eager`` was asked for (None then)."""
     if not _fused_commit_asked(vllm_config):
         return None
     blockers = fused_commit_blockers(vllm_config)
@@ -272,11 +276,15 @@ def commit_summary(vllm_config: VllmConfig) -> str | None:
 def log_decision_once(vllm_config: VllmConfig, decision: Decision) -> None:
     """Log ``decision`` with its reasons, once per process and deployment."""
     key = (vllm_config.model_config.architecture, decision.mode, decision.use_recovery,
-           tuple(decision.reasons))
+           tuple(decision.reasons), requested_commit(vllm_config))
     if key in _logged:
         return
     _logged.add(key)
     plugin_logger().info("vllm-recoverssm: %s", decision.summary().replace("\n", "\n  "))
     commit = commit_summary(vllm_config) if decision.use_recovery else None
     if commit is not None:
-        plugin_logger().info("vllm-recoverssm: %s", commit)
+        # a fallback from a fused commit the user named is worth a warning; from the
+        # default it is information
+        asked = requested_commit(vllm_config) == "fused"
+        level = logging.WARNING if asked and not fused_commit_enabled(vllm_config) else logging.INFO
+        plugin_logger().log(level, "vllm-recoverssm: %s", commit)

@@ -63,9 +63,9 @@ class EngineDemoOptions(BaseModel):
                                   "directory)")
     follow_up_tokens: int = Field(default=8, ge=1, le=512)
     fused_commit: bool = Field(
-        default=True, description="recovery commits inside the next verify "
-                                  "(additional_config recoverssm_commit 'fused'); False: "
-                                  "right after sampling ('eager')")
+        default=True, description="recovery commits as the plugin does by default (no "
+                                  "recoverssm_commit: inside the next verify where that "
+                                  "applies); False: right after sampling ('eager')")
 
     def model_post_init(self, _context: Any) -> None:
         """A store directory only makes sense for the disk backend."""
@@ -253,7 +253,7 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
         root = Path(tmp) if workdir is None else workdir
         model = str(write_tiny_glm53(root / "tiny-glm53"))
 
-        commit = "fused" if options.fused_commit else "eager"
+        commit = None if options.fused_commit else "eager"
 
         def spec(mode: RecoveryFlag, oracle: str | None, **more: Any) -> EngineRun:
             fields: dict[str, Any] = dict(prompts=prompts, waves=follow_ups)

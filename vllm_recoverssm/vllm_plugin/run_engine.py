@@ -54,7 +54,7 @@ class EngineRun(BaseModel):
 
     model: str = Field(min_length=1, description="model directory")
     mode: Literal["auto", "on", "off"]
-    commit: Literal["eager", "fused"] | None = Field(
+    commit: Literal["auto", "eager", "fused"] | None = Field(
         default=None, description="additional_config['recoverssm_commit'] (None: unset)")
     num_spec: int = Field(ge=1, le=7)
     drafter: Literal["oracle", "ngram", "dflash"] = "oracle"
@@ -112,7 +112,7 @@ class EngineReport(BaseModel):
     decision: list[str]
     """The decision lines the plugin logged (filled from the process's log)."""
     commit_lines: list[str] = Field(default_factory=list)
-    """The commit-mode lines the plugin logged (only when ``fused`` was asked for)."""
+    """The commit-mode lines the plugin logged (none when ``eager`` was asked for)."""
     deferred_commit_steps: int = 0
     """Steps whose commit was deferred into the next verify (fused commit)."""
     settles: int = 0

@@ -15,13 +15,13 @@ plugin's post-sampling hook (:mod:`..worker.commit`) commits it. Either way it i
 commit and one conv compaction for all KDA layers of the KV-cache group, before the next
 step (and before any request-boundary export) reads the state.
 
-With ``additional_config["recoverssm_commit"]="fused"`` (runner V1, no prefix caching, no
-KV connector but the plugin's own) the commit after sampling only records what is pending
-(:mod:`..worker.deferred_commit`); the builder of the next step settles it before the
-forward: rows verified again replay their records inside the fused verify, every other
-row is committed on its own. The checkpoint connector commits a finished request's rows
-before it exports them, at the start of that step
-(:meth:`RecoveryCommitContext.settle_requests`).
+With the commit fused (``additional_config["recoverssm_commit"]`` ``auto``, the default, or
+``fused``; runner V1, no prefix caching, no KV connector but the plugin's own) the commit
+after sampling only records what is pending (:mod:`..worker.deferred_commit`); the
+builder of the next step settles it before the forward: rows verified again replay their
+records inside the fused verify, every other row is committed on its own. The checkpoint
+connector commits a finished request's rows before it exports them, at the start of that
+step (:meth:`RecoveryCommitContext.settle_requests`).
 
 Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models; runner
 V2) keeps a state block every ``B`` tokens. There the builder takes vLLM's aligned state
@@ -234,6 +234,15 @@ class RecoveryCommitContext:
         if self.deferred is None:
             return
         due = self.deferred.request_commit(keys)
+        if due is not None:
+            self.commit(*due)
+
+    def settle_pending(self) -> None:
+        """Commit, on their own and now, every deferred row (fused commit only): a
+        restore is about to write whole states into slots."""
+        if self.deferred is None:
+            return
+        due = self.deferred.pending_commit()
         if due is not None:
             self.commit(*due)
 

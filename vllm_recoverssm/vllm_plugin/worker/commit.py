@@ -60,7 +60,7 @@ def register_commit_context(context: RecoveryCommitContext) -> None:
 def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
     """The fused commit's step counts over the recovery groups of ``forward_context`` (a
     runner's layer table): ``deferred_commit_steps``, ``settles``, ``settles_skipped``,
-    ``export_settles`` (all 0 under the eager commit)."""
+    ``export_settles``, ``load_settles`` (all 0 under the eager commit)."""
     tables = [c.deferred for c in list(_contexts)
               if c.forward_context is forward_context and c.deferred is not None]
     return {
@@ -68,6 +68,7 @@ def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
         "settles": sum(d.settles for d in tables),
         "settles_skipped": sum(d.settles_skipped for d in tables),
         "export_settles": sum(d.export_settles for d in tables),
+        "load_settles": sum(d.load_settles for d in tables),
     }
 
 
@@ -77,6 +78,14 @@ def settle_requests(forward_context: dict[str, Any], request_ids: set[str]) -> N
     for context in list(_contexts):
         if context.forward_context is forward_context:
             context.settle_requests(request_ids)
+
+
+def settle_pending(forward_context: dict[str, Any]) -> None:
+    """Commit every deferred row (fused commit) in every recovery group of
+    ``forward_context``, before a restore writes states into slots."""
+    for context in list(_contexts):
+        if context.forward_context is forward_context:
+            context.settle_pending()
 
 
 def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:

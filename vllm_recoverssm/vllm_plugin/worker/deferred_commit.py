@@ -1,4 +1,4 @@
-"""Commits deferred into the next verify (``additional_config["recoverssm_commit"]="fused"``).
+"""Commits deferred into the next verify (``recoverssm_commit`` ``auto`` or ``fused``).
 
 After sampling, a speculative row's accepted records are not replayed; the row's state
 slot remembers how many are pending and in which scratch row they sit. The next step's
@@ -14,10 +14,14 @@ settles all of them before its forward runs:
   scheduled, or runs as a prompt or plain decode row -- is committed on its own (with its
   conv history compacted), so whatever reads the slot next sees a committed state.
 
-One reader comes before that build: the request-boundary connector exports a finished
-request's state at the start of the next step. It first commits that request's rows on
-their own (:meth:`DeferredCommits.request_commit`), which also takes them off the build's
-list.
+The request-boundary connector reads and writes states outside that order. It exports a
+finished request's state at the start of the next step, and first commits that request's
+rows on their own (:meth:`DeferredCommits.request_commit`), which also takes them off the
+build's list. It restores a state into a request's slot after a step's forward, and a step
+may run no forward (and no build) at all, so the slot may be one that a finished, never
+exported request left with records pending; the next build would replay them onto the
+restored state. Before a restore it commits every deferred row
+(:meth:`DeferredCommits.pending_commit`).
 
 The counts live on the device and are never read by the host, so nothing here syncs. When
 the host knows which requests the deferred rows and the new step's speculative rows belong
@@ -69,6 +73,8 @@ class DeferredCommits:
         """Steps that skipped it: every deferred request was verified again (host count)."""
         self.export_settles = 0
         """Standalone commits of finished requests before their export (host count)."""
+        self.load_settles = 0
+        """Standalone commits of every deferred row before a restore (host count)."""
 
     @property
     def scratch_rows(self) -> int:
@@ -145,6 +151,21 @@ class DeferredCommits:
             self._deferred_keys = [None if p else k
                                    for k, p in zip(old_keys, picked, strict=True)]
         self.export_settles += 1
+        return due
+
+    def pending_commit(self) -> tuple[ops.CommitPlan, torch.Tensor] | None:
+        """The standalone commit of every deferred row, as ``(plan, record_rows)``: a
+        connector is about to write whole states into slots, one of which a finished
+        request may have left with records pending. None when nothing can be pending.
+        Clears the counts and ends the deferred step, so the next build neither commits
+        the rows again nor hands them to its fused verify."""
+        n = self._num_deferred
+        if n == 0 or self.pending_lens is None or self.pending_rows is None:
+            return None
+        due = self._commit_rows(self._deferred_slots[:n] >= 0)
+        self._num_deferred = 0
+        self._deferred_keys = None
+        self.load_settles += 1
         return due
 
     def take(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

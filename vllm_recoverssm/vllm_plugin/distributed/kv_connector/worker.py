@@ -7,8 +7,9 @@ Under vLLM's model runner V1 a step runs, in this order:
    bundles from their held blocks (under the fused commit, after committing their last
    step's pending records), and install this step's state taps;
 2. the forward, where the plugin's KDA layers hand over tapped states;
-3. ``start_load_kv`` (after the forward; restored requests are not in the batch): read,
-   check and write each restore, or report it failed;
+3. ``start_load_kv`` (after the forward; restored requests are not in the batch): under
+   the fused commit, commit every pending record first; then read, check and write each
+   restore, or report it failed;
 4. sampling: the raw logits are kept (:func:`compat.install_v1_sample_hook`), the recovery
    commit runs, then :meth:`WorkerSide.after_commit` records each request's sampled count
    and the logits row of its last token;
@@ -32,7 +33,12 @@ import torch
 from ....checkpoint import CheckpointStore, RequestCheckpoint
 from ... import compat
 from ...config import recovery_enabled
-from ...worker.commit import register_commit_limit, sampled_counts, settle_requests
+from ...worker.commit import (
+    register_commit_limit,
+    sampled_counts,
+    settle_pending,
+    settle_requests,
+)
 from . import taps
 from .identity import layout_identity
 from .index import add_entry
@@ -214,6 +220,10 @@ class WorkerSide:
     # -- restores -----------------------------------------------------------------------------
     def start_load_kv(self) -> None:
         """Restore every planned load whole, or report it failed (vLLM then recomputes)."""
+        if self.recovery and self._meta.loads:
+            # a slot may hold a finished request's pending records (fused commit) that the
+            # next build would otherwise replay onto the restored state
+            settle_pending(self._layers)
         for load in self._meta.loads:
             self._load(load)
         self._meta.loads = []
