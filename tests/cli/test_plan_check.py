@@ -247,6 +247,38 @@ def test_check_bad_arguments(capsys, argv, words):
         assert w in lines[0]
 
 
+@pytest.mark.parametrize("argv, line", [
+    ([], "commit: eager, not fused: model runner V2 commits through vLLM's model state"),
+    (["--runner", "v1"], "commit: fused into the next verify (record scratch of 2 x 8 rows)"),
+    (["--runner", "v1", "--kv-connector", "recoverssm"],
+     "commit: fused into the next verify (record scratch of 2 x 8 rows)"),
+    (["--runner", "v1", "--kv-connector", "request_boundary"],
+     "commit: eager, not fused: a KV connector other than the plugin's may export the "
+     "state between steps"),
+    (["--runner", "v1", "--commit", "eager"], "commit: eager, right after sampling (asked for)"),
+    (["--cache-mode", "align", "--block-size", "64"],
+     "commit: eager, not fused: model runner V2 commits through vLLM's model state; prefix "
+     "caching caches state blocks between steps"),
+])
+def test_check_says_how_the_plugin_commits(capsys, argv, line):
+    code, out, _ = run(["check", "--max-num-seqs", "8", *GOOD_CHECK, *argv], capsys)
+    assert code == 0 and "recovery: on" in out
+    assert out.strip().splitlines()[-1] == line
+    code, out, _ = run(["check", "--json", "--max-num-seqs", "8", *GOOD_CHECK, *argv], capsys)
+    commit = json.loads(out)["commit"]
+    assert commit["summary"] == line
+    assert commit["fused"] is line.startswith("commit: fused")
+    assert commit["mode"] == (argv[argv.index("--commit") + 1] if "--commit" in argv
+                              else "auto")
+
+
+def test_check_gives_no_commit_line_without_recovery(capsys):
+    code, out, _ = run(["check", "--mode", "off", *GOOD_CHECK], capsys)
+    assert code == 0 and "commit:" not in out
+    code, out, _ = run(["check", "--mode", "off", "--json", *GOOD_CHECK], capsys)
+    assert json.loads(out)["commit"] is None
+
+
 def test_check_without_speculation(capsys):
     code, out, _ = run(["check", "--num-spec", "0", *GOOD_CHECK], capsys)
     assert code == 0 and "no speculative decoding" in out

@@ -294,6 +294,44 @@ def test_fused_commit_takes_the_plugins_connector_only(build_config: Any) -> Non
                  "steps"] if blocked else [])
 
 
+@pytest.mark.parametrize("v2, cached, connector, argv", [
+    (False, False, None, ["--runner", "v1"]),
+    (True, False, None, ["--runner", "v2"]),
+    (True, True, None, ["--runner", "v2", "--cache-mode", "align", "--block-size", "16"]),
+    (False, False, "own", ["--runner", "v1", "--kv-connector", "recoverssm"]),
+    (False, False, "other", ["--runner", "v1", "--kv-connector", "request_boundary"]),
+], ids=["v1", "v2", "v2-prefix-caching", "v1-own-connector", "v1-other-connector"])
+def test_check_prints_the_line_the_plugin_logs(
+    build_config: Any, capsys: pytest.CaptureFixture[str], v2: bool, cached: bool,
+    connector: str | None, argv: list[str],
+) -> None:
+    """``recoverssm check`` describes the deployment with flags; the plugin reads vLLM's
+    config. Both must come to the same commit line."""
+    import copy
+
+    from vllm.config import KVTransferConfig
+
+    from vllm_recoverssm.cli.main import main
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector import CONNECTOR_NAME
+
+    cfg = build_config(*MTP3)
+    if cached:
+        cfg = with_prefix_caching(cfg, block_size=16)
+    if connector is not None:
+        cfg = copy.copy(cfg)
+        name = CONNECTOR_NAME if connector == "own" else "SomeoneElsesConnector"
+        object.__setattr__(cfg, "kv_transfer_config", KVTransferConfig(
+            kv_connector=name, kv_role="kv_both",
+            kv_connector_extra_config={"request_boundary_checkpoints": True}))
+    with on_gpu(v2_runner=v2):
+        logged = commit_summary(cfg)
+    assert logged is not None
+    rows = str(cfg.scheduler_config.max_num_seqs)
+    assert main(["check", "--gpu-capability", "9.0", "--kernel-backend", "triton",
+                 "--num-spec", "3", "--max-num-seqs", rows, *argv]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == logged
+
+
 def test_an_unknown_commit_mode_is_refused_naming_the_key(build_config: Any) -> None:
     with pytest.raises(ValueError, match=r"additional_config\['recoverssm_commit'\]: "
                        "expected one of auto, eager, fused, got 'later'"):

@@ -14,6 +14,7 @@ import sys
 
 from pydantic import ValidationError
 
+from ..config.commit_mode import commit_summary, fused_commit_blockers
 from ..config.eligibility import Deployment, IneligibleError, decide
 from .args import Int, Text, UsageError, Validator, flag_error
 from .deployment import (
@@ -120,12 +121,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "(detect; default)")
     e.add_argument("--kernel-backend", choices=("auto", "triton", "b12x", "reference", "none"),
                    default="auto", help="available kernel backend (default: detect)")
-    e.add_argument("--kv-connector", choices=("none", "request_boundary", "generic", "pd"),
-                   default="none", help="KV connector kind: request_boundary (atomic), "
-                                        "generic (aligned), pd (prefill/decode split)")
+    e.add_argument("--kv-connector",
+                   choices=("none", "recoverssm", "request_boundary", "generic", "pd"),
+                   default="none", help="KV connector: recoverssm (the plugin's "
+                                        "RecoverSSMCheckpointConnector), or another one's "
+                                        "kind: request_boundary (atomic), generic (aligned), "
+                                        "pd (prefill/decode split)")
     e.add_argument("--stochastic-rounding", action="store_true",
                    help="stochastic rounding of the state is on")
     p.set_defaults(func=run)
+
+
+_CONNECTOR_KINDS: dict[str, str | None] = {"none": None, "recoverssm": "request_boundary"}
+"""``--kv-connector`` values that are not a connector kind of their own."""
+
+
+def commit_line(args: argparse.Namespace, dep: Deployment) -> tuple[str, list[str]]:
+    """How the plugin would commit in the deployment: its start-up line and the blockers
+    of the fused commit (``--commit`` as the plugin's ``recoverssm_commit``)."""
+    blockers = fused_commit_blockers(dep, own_connector=args.kv_connector == "recoverssm")
+    return commit_summary(args.commit, blockers, args.max_num_seqs), blockers
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
@@ -171,7 +186,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
             device=args.device,
             gpu_capability=cap,
             kernel_backend=backend,
-            kv_connector=None if args.kv_connector == "none" else args.kv_connector,
+            kv_connector=_CONNECTOR_KINDS.get(args.kv_connector, args.kv_connector),
             cache_mode=args.cache_mode,
             stochastic_rounding=args.stochastic_rounding,
         ))
@@ -203,9 +218,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  - {f.name}: {f.message}")
         print(f"recoverssm check: error: {exc}", file=sys.stderr)
         return 1
+    line, blockers = commit_line(args, dep)
     if args.json:
+        commit = None if not decision.use_recovery else {
+            "mode": args.commit, "fused": args.commit != "eager" and not blockers,
+            "blockers": blockers, "summary": line}
         sys.stdout.write(json.dumps({"deployment": dep.model_dump(mode="json"),
-                                     **decision.model_dump(mode="json")}, indent=2) + "\n")
+                                     **decision.model_dump(mode="json"), "commit": commit},
+                                    indent=2) + "\n")
         return 0
     cap = "no GPU" if dep.gpu_capability is None else \
         f"SM{dep.gpu_capability[0]}{dep.gpu_capability[1]}"
@@ -215,4 +235,6 @@ def run(args: argparse.Namespace) -> int:
           f"{dep.model_runner}, {cap}, kernels {dep.kernel_backend or 'none'}, KV connector "
           f"{dep.kv_connector or 'none'}, cache mode {dep.cache_mode}")
     print(decision.summary())
+    if decision.use_recovery:
+        print(line)
     return 0

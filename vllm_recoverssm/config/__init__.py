@@ -1,5 +1,12 @@
 """Deployment configuration: eligibility decisions and model specs."""
 
+from .commit_mode import (
+    COMMIT_MODES,
+    DEFAULT_COMMIT,
+    CommitMode,
+    commit_summary,
+    fused_commit_blockers,
+)
 from .eligibility import (
     GLM53_ARCHITECTURES,
     KIMI_ARCHITECTURES,
@@ -27,6 +34,11 @@ from .models import (
 )
 
 __all__ = [
+    "COMMIT_MODES",
+    "DEFAULT_COMMIT",
+    "CommitMode",
+    "commit_summary",
+    "fused_commit_blockers",
     "BUILTIN_MODELS",
     "GLM_5_3",
     "KIMI_LINEAR",

@@ -14,7 +14,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..config import (
+    COMMIT_MODES,
+    DEFAULT_COMMIT,
     GLM53_ARCHITECTURES,
+    CommitMode,
     Decision,
     Deployment,
     Failure,
@@ -23,6 +26,8 @@ from ..config import (
     check_conditions,
     decide,
 )
+from ..config import commit_summary as summarize_commit
+from ..config import fused_commit_blockers as deployment_commit_blockers
 from . import compat
 from .kernels import choose_kernel_backend, cuda_capability
 
@@ -36,18 +41,8 @@ CONFIG_KEY = "recoverssm"
 """Key in ``--additional-config``: ``{"recoverssm": "auto" | "on" | "off"}``."""
 
 COMMIT_KEY = "recoverssm_commit"
-"""Key in ``--additional-config``: ``{"recoverssm_commit": "auto" | "eager" | "fused"}``.
-
-``fused`` defers each step's accepted tokens into the request's next verify (one launch
-that reads the state once and writes it once); it doubles the record scratch
-(``2 * max_num_seqs`` rows) and applies only where :func:`fused_commit_blockers` finds
-nothing against it, the eager commit running elsewhere. ``eager`` commits them right after
-sampling, in a launch of its own that reads and writes the state a second time. ``auto``
-(the default) is ``fused`` where it applies and ``eager`` elsewhere; ``fused`` differs from
-it only in warning when it cannot apply."""
-
-COMMIT_MODES = ("auto", "eager", "fused")
-DEFAULT_COMMIT = "auto"
+"""Key in ``--additional-config``: ``{"recoverssm_commit": "auto" | "eager" | "fused"}``
+(:data:`vllm_recoverssm.config.COMMIT_MODES` says what each does; ``auto`` when absent)."""
 
 REQUEST_BOUNDARY_KEY = "request_boundary_checkpoints"
 """``kv_connector_extra_config`` flag a connector sets when it only exports atomic
@@ -76,40 +71,25 @@ def requested_mode(vllm_config: VllmConfig) -> RecoveryMode:
         ) from None
 
 
-def requested_commit(vllm_config: VllmConfig) -> str:
+def requested_commit(vllm_config: VllmConfig) -> CommitMode:
     """The commit mode asked for in ``additional_config`` (``auto`` when absent)."""
     extra = vllm_config.additional_config
     value = extra.get(COMMIT_KEY, DEFAULT_COMMIT) if isinstance(extra, dict) else DEFAULT_COMMIT
     mode = str(value).lower()
-    if mode not in COMMIT_MODES:
-        raise ValueError(
-            f"additional_config['{COMMIT_KEY}']: expected one of {', '.join(COMMIT_MODES)}, "
-            f"got {value!r}"
-        )
-    return mode
+    for known in COMMIT_MODES:
+        if mode == known:
+            return known
+    raise ValueError(
+        f"additional_config['{COMMIT_KEY}']: expected one of {', '.join(COMMIT_MODES)}, "
+        f"got {value!r}"
+    )
 
 
 def fused_commit_blockers(vllm_config: VllmConfig) -> list[str]:
-    """Why the commit cannot be fused into the next verify here (empty: it can).
-
-    The deferred records live in the step-row scratch until the request's next verify, so
-    nothing else may read the state in between: no prefix-cache block (mode ``align``) and
-    no export of another KV connector (the plugin's checkpoint connector commits a finished
-    request's records before it exports it). Runner V2 commits through vLLM's model state,
-    and b12x has no fused verify; both keep the eager commit.
-    """
-    out: list[str] = []
-    if vllm_config.use_v2_model_runner:
-        out.append("model runner V2 commits through vLLM's model state")
-    if vllm_config.cache_config.mamba_cache_mode == "align":
-        out.append("prefix caching caches state blocks between steps")
-    if kv_connector_kind(vllm_config) is not None and not _own_connector(vllm_config):
-        out.append("a KV connector other than the plugin's may export the state between "
-                   "steps")
-    cap = cuda_capability()
-    if cap is not None and choose_kernel_backend(cap) == "b12x":
-        out.append("b12x runs verify and commit here and has no fused verify")
-    return out
+    """Why the commit cannot be fused into the next verify here (empty: it can); the rule
+    is :func:`vllm_recoverssm.config.fused_commit_blockers`, applied to this config."""
+    return deployment_commit_blockers(deployment_from_vllm_config(vllm_config),
+                                      own_connector=_own_connector(vllm_config))
 
 
 def _own_connector(vllm_config: VllmConfig) -> bool:
@@ -266,11 +246,8 @@ def commit_summary(vllm_config: VllmConfig) -> str | None:
     """One line on the commit mode unless ``eager`` was asked for (None then)."""
     if not _fused_commit_asked(vllm_config):
         return None
-    blockers = fused_commit_blockers(vllm_config)
-    if not blockers:
-        return ("commit: fused into the next verify (record scratch of "
-                f"2 x {vllm_config.scheduler_config.max_num_seqs} rows)")
-    return "commit: eager, not fused: " + "; ".join(blockers)
+    return summarize_commit(requested_commit(vllm_config), fused_commit_blockers(vllm_config),
+                            vllm_config.scheduler_config.max_num_seqs)
 
 
 def log_decision_once(vllm_config: VllmConfig, decision: Decision) -> None:
