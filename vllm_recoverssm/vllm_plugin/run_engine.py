@@ -121,6 +121,8 @@ class EngineReport(BaseModel):
     """Steps that skipped that: every deferred request was verified again."""
     export_settles: int = 0
     """Standalone commits of finished requests' records before the connector exported them."""
+    load_settles: int = 0
+    """Standalone commits of every pending record before the connector restored states."""
     outputs: list[list[int]]
     num_cached_tokens: list[int]
     drafts: int
@@ -322,6 +324,7 @@ def run(run: EngineRun) -> EngineReport:
         deferred_commit_steps=counts.get("deferred_commit_steps", 0),
         settles=counts.get("settles", 0), settles_skipped=counts.get("settles_skipped", 0),
         export_settles=counts.get("export_settles", 0),
+        load_settles=counts.get("load_settles", 0),
         recovery=recovery_enabled(llm.llm_engine.vllm_config), decision=[],
         outputs=[list(o.outputs[0].token_ids) for o in outs],
         num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],

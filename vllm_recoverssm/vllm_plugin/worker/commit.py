@@ -57,12 +57,16 @@ def register_commit_context(context: RecoveryCommitContext) -> None:
     compat.install_v1_commit_hook(commit_after_sampling)
 
 
+def _groups(forward_context: dict[str, Any]) -> list[RecoveryCommitContext]:
+    """The recovery groups of one runner's layer table (``forward_context``)."""
+    return [c for c in list(_contexts) if c.forward_context is forward_context]
+
+
 def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
     """The fused commit's step counts over the recovery groups of ``forward_context`` (a
     runner's layer table): ``deferred_commit_steps``, ``settles``, ``settles_skipped``,
     ``export_settles``, ``load_settles`` (all 0 under the eager commit)."""
-    tables = [c.deferred for c in list(_contexts)
-              if c.forward_context is forward_context and c.deferred is not None]
+    tables = [c.deferred for c in _groups(forward_context) if c.deferred is not None]
     return {
         "deferred_commit_steps": sum(d.deferred_steps for d in tables),
         "settles": sum(d.settles for d in tables),
@@ -75,17 +79,15 @@ def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
 def settle_requests(forward_context: dict[str, Any], request_ids: set[str]) -> None:
     """Commit the pending records of requests ``request_ids`` (fused commit) in every
     recovery group of ``forward_context``, before an export reads their states."""
-    for context in list(_contexts):
-        if context.forward_context is forward_context:
-            context.settle_requests(request_ids)
+    for context in _groups(forward_context):
+        context.settle_requests(request_ids)
 
 
 def settle_pending(forward_context: dict[str, Any]) -> None:
     """Commit every deferred row (fused commit) in every recovery group of
     ``forward_context``, before a restore writes states into slots."""
-    for context in list(_contexts):
-        if context.forward_context is forward_context:
-            context.settle_pending()
+    for context in _groups(forward_context):
+        context.settle_pending()
 
 
 def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:
@@ -95,8 +97,7 @@ def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:
 
 def commit_after_sampling(runner: Any, sampled_token_ids: torch.Tensor) -> None:
     """Commit every recovery group of ``runner``'s model for the step just sampled."""
-    table = compat.runner_forward_context(runner)
-    mine = [c for c in list(_contexts) if c.forward_context is table]
+    mine = _groups(compat.runner_forward_context(runner))
     if not mine:
         return
     num_sampled = sampled_counts(sampled_token_ids)
