@@ -248,7 +248,7 @@ def test_check_bad_arguments(capsys, argv, words):
 
 
 @pytest.mark.parametrize("argv, line", [
-    ([], "commit: eager, not fused: model runner V2 commits through vLLM's model state"),
+    ([], "commit: fused into the next verify (record scratch of 2 x 8 rows)"),
     (["--runner", "v1"], "commit: fused into the next verify (record scratch of 2 x 8 rows)"),
     (["--runner", "v1", "--kv-connector", "recoverssm"],
      "commit: fused into the next verify (record scratch of 2 x 8 rows)"),
@@ -257,8 +257,7 @@ def test_check_bad_arguments(capsys, argv, words):
      "state between steps"),
     (["--runner", "v1", "--commit", "eager"], "commit: eager, right after sampling (asked for)"),
     (["--cache-mode", "align", "--block-size", "64"],
-     "commit: eager, not fused: model runner V2 commits through vLLM's model state; prefix "
-     "caching caches state blocks between steps"),
+     "commit: eager, not fused: prefix caching caches state blocks between steps"),
 ])
 def test_check_says_how_the_plugin_commits(capsys, argv, line):
     code, out, _ = run(["check", "--max-num-seqs", "8", *GOOD_CHECK, *argv], capsys)

@@ -89,9 +89,11 @@ def test_the_plugin_layer_replaces_vllms_and_reports_the_recovery_page(
 
     cfg = build_config(*MTP3)
     seqs = cfg.scheduler_config.max_num_seqs
+    # the default commit is fused into the next verify here (runner V2, no prefix caching):
+    # two scratch rows per running request
     p = plan(PlanConfig(model=model_spec_from_hf_config(
         json.loads((tiny_glm / "config.json").read_text())), tp=1, num_spec=S,
-        max_num_seqs=seqs))
+        max_num_seqs=seqs, fused_commit=True))
     on = make_layer(cfg, recovery=True)
     off = make_layer(cfg, recovery=False)
     assert type(on) is type(off) is RecoverGlm5NextLinearAttention
@@ -101,10 +103,10 @@ def test_the_plugin_layer_replaces_vllms_and_reports_the_recovery_page(
     assert spec_on.page_size_bytes == layout.page_bytes
     assert spec_on.num_speculative_blocks == 0
     assert len(spec_on.shapes) == 2 and spec_on.shapes == spec_off.shapes
-    # ... and the records are a scratch of max_num_seqs rows per layer, as planned
+    # ... and the records are a scratch of 2 x max_num_seqs rows per layer, as planned
     corrections, kg = on.recovery_records()
-    assert corrections.shape == (seqs, LINEAR_HEADS, S + 1, HEAD_DIM)
-    assert kg.shape == (seqs, LINEAR_HEADS, S + 1, 2 * HEAD_DIM)
+    assert corrections.shape == (2 * seqs, LINEAR_HEADS, S + 1, HEAD_DIM)
+    assert kg.shape == (2 * seqs, LINEAR_HEADS, S + 1, 2 * HEAD_DIM)
     assert (corrections.nbytes + kg.nbytes) * p.num_linear_layers == layout.scratch_bytes
     assert on.get_attn_backend() is RecoverKDAAttentionBackend
     # recovery off: exactly vLLM's layer behaviour

@@ -232,20 +232,19 @@ def test_fused_commit_applies_under_runner_v1_without_a_cache_or_connector(
 def test_a_fallback_warns_only_when_fused_was_asked_for(
     build_config: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Under runner V2 the commit stays eager: a warning for ``fused``, information for
-    the default."""
+    """With prefix caching the commit stays eager: a warning for ``fused``, information
+    for the default."""
     import logging
 
     levels = {}
     for name, extra in (("fused", FUSED), ("auto", ())):
-        cfg = build_config(*MTP3, *extra)
-        decision = decide_for_vllm_config(cfg)
+        cfg = with_prefix_caching(build_config(*MTP3, *extra), block_size=16)
         plugin_config._logged.clear()
         caplog.clear()
         logger = logging.getLogger(plugin_config.LOGGER_NAME)
         with on_gpu(v2_runner=True), mock.patch.object(logger, "propagate", True), \
                 caplog.at_level(logging.INFO, logger=plugin_config.LOGGER_NAME):
-            plugin_config.log_decision_once(cfg, decision)
+            plugin_config.log_decision_once(cfg, decide_for_vllm_config(cfg))
         lines = [r for r in caplog.records if "commit: eager, not fused" in r.getMessage()]
         assert len(lines) == 1, caplog.text
         levels[name] = lines[0].levelno
@@ -254,15 +253,14 @@ def test_a_fallback_warns_only_when_fused_was_asked_for(
 
 def test_fused_commit_falls_back_to_eager_and_says_why(build_config: Any) -> None:
     cfg = build_config(*MTP3, *FUSED)
-    with on_gpu(v2_runner=True):
-        assert not fused_commit_enabled(cfg)
-        assert fused_commit_blockers(cfg) == [
-            "model runner V2 commits through vLLM's model state"]
+    for v2 in (True, False):  # either runner fuses: V1 after sampling, V2 in its model state
+        with on_gpu(v2_runner=v2):
+            assert fused_commit_enabled(cfg) and fused_commit_blockers(cfg) == []
     cached = with_prefix_caching(cfg, block_size=16)
     with on_gpu(v2_runner=True):
+        assert not fused_commit_enabled(cached)
         assert commit_summary(cached) == (
-            "commit: eager, not fused: model runner V2 commits through vLLM's model state; "
-            "prefix caching caches state blocks between steps")
+            "commit: eager, not fused: prefix caching caches state blocks between steps")
     with on_gpu(capability=(12, 0), v2_runner=False), \
             mock.patch.object(plugin_config, "choose_kernel_backend", lambda cap: "b12x"):
         assert fused_commit_blockers(cfg) == [

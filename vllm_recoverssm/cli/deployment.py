@@ -141,8 +141,9 @@ def _check_cache_flags(args: argparse.Namespace) -> None:
 def fused_commit(args: argparse.Namespace) -> bool:
     """Whether the plugin would fuse the commit in the deployment the flags describe.
 
-    The plugin never fuses it in align mode (prefix caching); what else keeps it eager
-    (model runner V2, b12x, another KV connector) changes no state bytes."""
+    The plugin never fuses it in align mode (prefix caching), the one blocker these flags
+    name; b12x or a KV connector other than the plugin's keep it eager too, with one
+    scratch row per running request (``recoverssm check`` applies every blocker)."""
     return args.commit != "eager" and args.cache_mode != "align"
 
 

@@ -29,12 +29,10 @@ def fused_commit_blockers(dep: Deployment, *, own_connector: bool) -> list[str]:
     nothing else may read the state in between: no prefix-cache block (cache mode
     ``align``) and no export of a KV connector other than the plugin's (``own_connector``:
     the connector is the plugin's, which commits a finished request's records before it
-    exports it). Runner V2 commits through vLLM's model state, and b12x has no fused
-    verify; both keep the eager commit.
+    exports it). b12x has no fused verify, so it keeps the eager commit. Either runner
+    applies: V1 through the plugin's hook after sampling, V2 through vLLM's model state.
     """
     out: list[str] = []
-    if dep.model_runner == "v2":
-        out.append("model runner V2 commits through vLLM's model state")
     if dep.cache_mode == "align":
         out.append("prefix caching caches state blocks between steps")
     if dep.kv_connector is not None and not own_connector:

@@ -356,9 +356,12 @@ def _wave_report(prompts: list[list[int]], outs: list[Any], seconds: float,
 
 
 def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
-                      env: dict[str, str] | None = None) -> EngineReport:
+                      env: dict[str, str] | None = None, module: str = MODULE) -> EngineReport:
     """Run ``spec`` in a process of its own (a fork of :mod:`.engine_fork`'s server where
-    that applies, else a fresh ``python -m``); raises ``RuntimeError`` with its log tail."""
+    that applies, else a fresh ``python -m``); raises ``RuntimeError`` with its log tail.
+
+    ``module``: another ``python -m`` entry taking this module's arguments, which must set
+    things up before vLLM is imported; it always runs in a fresh process."""
     workdir.mkdir(parents=True, exist_ok=True)
     stem = f"run-{time.monotonic_ns()}"
     spec_path, report_path = workdir / f"{stem}.json", workdir / f"{stem}.report.json"
@@ -366,12 +369,13 @@ def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
     full_env = engine_environment(env)
     argv = [str(spec_path), str(report_path)]
     log_path = workdir / f"{stem}.log"
-    forked = engine_fork.run_engine_process(argv, full_env, log_path, timeout)
+    forked = (engine_fork.run_engine_process(argv, full_env, log_path, timeout)
+              if module == MODULE else None)
     if forked is not None:
         code = forked
         log = log_path.read_text(errors="replace") if log_path.exists() else ""
     else:
-        proc = subprocess.run([sys.executable, "-m", MODULE, *argv], env=full_env,
+        proc = subprocess.run([sys.executable, "-m", module, *argv], env=full_env,
                               capture_output=True, text=True, timeout=timeout)
         code, log = proc.returncode, proc.stdout + proc.stderr
     if code != 0 or not report_path.exists():

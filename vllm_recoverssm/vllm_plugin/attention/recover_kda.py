@@ -16,8 +16,8 @@ commit and one conv compaction for all KDA layers of the KV-cache group, before 
 step (and before any request-boundary export) reads the state.
 
 With the commit fused (``additional_config["recoverssm_commit"]`` ``auto``, the default, or
-``fused``; runner V1, no prefix caching, no KV connector but the plugin's own) the commit
-after sampling only records what is pending (:mod:`..worker.deferred_commit`); the
+``fused``; no prefix caching, no KV connector but the plugin's own) the commit after
+sampling only records what is pending (:mod:`..worker.deferred_commit`); the
 builder of the next step settles it before the forward: rows verified again replay their
 records inside the fused verify, every other row is committed on its own. The checkpoint
 connector commits a finished request's rows before it exports them, at the start of that
@@ -156,6 +156,7 @@ class RecoveryCommitContext:
         """The step built last and not yet committed (used under runner V1)."""
         self._runner: weakref.ref[Any] | None = None
         self._request_ids: list[str | None] | None = None
+        self._step_ids: list[str | None] | None = None
 
     def layers(self) -> list[Any]:
         """The layer modules, in group order."""
@@ -202,13 +203,22 @@ class RecoveryCommitContext:
         self._runner = weakref.ref(runner)
         self._request_ids = request_ids
 
+    def see_step(self, request_ids: list[str | None]) -> None:
+        """The request ids, row by row, of the step about to be built (runner V2, whose
+        model state names them before the builders run). Its commit, after sampling,
+        belongs to the same step."""
+        self._step_ids = self._request_ids = request_ids
+
     def request_keys(self, rows: list[int] | None, current: bool) -> list[str | None] | None:
         """The request id of each batch row in ``rows``: of the step just sampled, or
-        (``current``) of the step being built, read from the runner's batch. None where
-        the host does not know them."""
+        (``current``) of the step being built (named by runner V2's model state, or read
+        from runner V1's batch). None where the host does not know them."""
         if rows is None:
             return None
-        if current:
+        ids: list[str | None] | None
+        if current and self._step_ids is not None:
+            ids = self._step_ids
+        elif current:
             runner = self._runner() if self._runner is not None else None
             ids = compat.runner_request_ids(runner) if runner is not None else None
         else:

@@ -90,6 +90,15 @@ def settle_pending(forward_context: dict[str, Any]) -> None:
         context.settle_pending()
 
 
+def see_step(forward_context: dict[str, Any], request_ids: list[str | None]) -> None:
+    """Name the request of each batch row of the step about to be built (runner V2) to
+    every recovery group of ``forward_context``: the fused commit keys its pending records
+    by request, so a step that verifies every pending request again skips the standalone
+    commit."""
+    for context in _groups(forward_context):
+        context.see_step(request_ids)
+
+
 def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:
     """Tokens sampled per batch row (accepted drafts + 1): vLLM pads rows with -1."""
     return (sampled_token_ids != -1).sum(dim=1).to(torch.int32)

@@ -25,7 +25,8 @@ restored state. Before a restore it commits every deferred row
 
 The counts live on the device and are never read by the host, so nothing here syncs. When
 the host knows which requests the deferred rows and the new step's speculative rows belong
-to (runner V1's batch), a step that verifies every deferred request again skips the
+to (runner V1's batch, or the requests runner V2's model state names before each build), a
+step that verifies every deferred request again skips the
 standalone commit and its launches (:meth:`DeferredCommits.needs_settle`). The
 record scratch has two halves of ``max_num_seqs`` rows: a step writes its records into one
 half while the fused verify reads the previous step's from the other.

@@ -20,6 +20,7 @@ import torch
 
 from .. import compat
 from ..config import recovery_enabled
+from .commit import see_step, settle_pending
 
 MambaHybridModelState: Any = compat.MambaHybridModelState
 
@@ -72,6 +73,14 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         if self.use_recovery and getattr(self, "recoverssm", None) is None:
             self.recoverssm = compat.RecoverSSMState()
 
+    def prepare_attn(self, input_batch: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """vLLM's attention metadata, after naming the batch's requests to the recovery
+        groups (the fused commit keys its pending records by request)."""
+        if self.use_recovery:
+            see_step(self.vllm_config.compilation_config.static_forward_context,
+                     list(input_batch.req_ids))
+        return super().prepare_attn(input_batch, *args, **kwargs)  # type: ignore[no-any-return]
+
     def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor | int,
                           num_computed_tokens: torch.Tensor | None = None) -> None:
         """vLLM's postprocess (which commits and compacts), then the capture hooks."""
@@ -85,6 +94,9 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         if not _captures or isinstance(num_sampled, int):
             return
         if self.use_recovery:
+            # under the fused commit the step's records wait for the next verify; a
+            # capture reads the state now, so they are committed first
+            settle_pending(self.vllm_config.compilation_config.static_forward_context)
             bias = torch.zeros_like(num_sampled)
         else:
             bias = (num_sampled - 1).clamp(min=0)

@@ -1,0 +1,111 @@
+"""Run one engine under vLLM's model runner V2 on the CPU: ``python -m`` this module.
+
+Runner V2 is what vLLM picks on a CUDA GPU, and the only runner whose model state commits
+(and whose align mode serves prefix caching) for hybrid models. vLLM's CPU platform has a
+V2 runner too (``v1/worker/cpu/model_runner.py``, vLLM's GPU runner on CPU tensors), but
+enables it only with a Triton that has a CPU backend: its input preparation, sampling and
+n-gram drafting are Triton kernels. The CPU build's Triton has none, so this launcher
+
+* sets ``TRITON_INTERPRET=1``: Triton then runs every kernel in its interpreter, on CPU
+  tensors (as our own kernel tests do);
+* names a ``cpu`` entry in Triton's backend table, which is what vLLM's CPU build checks
+  before it turns Triton on (``vllm/triton_utils/importing.py``). The entry is never
+  compiled for: the interpreter runs kernels without a backend;
+* drafts from the oracle file in place of V2's n-gram speculator, because V2 has no
+  ``custom_class`` drafter (``VllmConfig._get_v2_model_runner_unsupported_features``).
+  The engine gets ``method="ngram"``; the oracle then writes the draft tensor the n-gram
+  kernels would have written, for the same rows.
+
+Everything else (scheduler, runner V2, its model state and commit, the plugin) is vLLM's
+and ours, unchanged. It runs in a fresh process: the fork server has imported vLLM before
+any of this could apply.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+MODULE = "tests.vllm_plugin.runner_v2"
+ENVIRONMENT = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def _name_a_cpu_backend() -> None:
+    import triton.backends as backends
+
+    class _Driver:
+        @staticmethod
+        def is_active() -> bool:
+            return False
+
+    backends.backends.setdefault("cpu", backends.Backend(compiler=None, driver=_Driver))
+
+
+def _oracle_drafts() -> None:
+    """Draft from the oracle file in V2's n-gram speculator (module docstring)."""
+    import torch
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
+
+    from vllm_recoverssm.vllm_plugin.spec_decode.oracle import OracleProposer
+
+    original_init = NgramGPUSpeculator.__init__
+
+    def init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, vllm_config, *args, **kwargs)
+        self.oracle = OracleProposer(vllm_config)
+
+    @torch.inference_mode()
+    def propose(self: Any, input_batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        num_reqs = input_batch.num_reqs
+        if kwargs.get("dummy_run"):
+            return self.drafts[:num_reqs]
+        num_sampled = kwargs["num_sampled"] if "num_sampled" in kwargs else args[4]
+        states = self.req_states
+        rows = input_batch.idx_mapping.tolist()
+        lengths = states.total_len.gpu.tolist()
+        self.drafts[:num_reqs].zero_()
+        for b, row in enumerate(rows):
+            if int(num_sampled[b]) <= 0:
+                continue
+            history = states.all_token_ids.gpu[row, : lengths[row]].tolist()
+            drafted = self.oracle.draft_for(history)
+            if drafted:
+                self.drafts[b, : len(drafted)] = torch.tensor(drafted, dtype=self.drafts.dtype)
+        return self.drafts[:num_reqs]
+
+    NgramGPUSpeculator.__init__ = init  # type: ignore[method-assign]
+    NgramGPUSpeculator.propose = propose  # type: ignore[method-assign]
+
+
+def _oracle_as_ngram() -> None:
+    from vllm_recoverssm.vllm_plugin import run_engine
+    from vllm_recoverssm.vllm_plugin.spec_decode.oracle import CLASS_PATH
+
+    original = run_engine.llm_kwargs
+
+    def llm_kwargs(run: Any) -> dict[str, Any]:
+        kwargs = original(run)
+        spec = kwargs["speculative_config"]
+        if spec.get("model") == CLASS_PATH:
+            kwargs["speculative_config"] = {
+                "method": "ngram", "num_speculative_tokens": spec["num_speculative_tokens"],
+                "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+        return kwargs
+
+    run_engine.llm_kwargs = llm_kwargs  # type: ignore[assignment]
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.vllm_plugin.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
+    os.environ.update(ENVIRONMENT)
+    _name_a_cpu_backend()
+    _oracle_drafts()
+    _oracle_as_ngram()
+    from vllm_recoverssm.vllm_plugin.run_engine import main as run_main
+
+    return run_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

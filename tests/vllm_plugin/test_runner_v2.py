@@ -1,0 +1,118 @@
+"""vLLM's real engine under model runner V2 on the CPU: the runner a CUDA GPU picks.
+
+On a GPU, vLLM 0.32 and 0.33 run hybrid models with runner V2, whose model state commits
+recovery after sampling (``worker/model_state.py``), and turn prefix caching on in align
+mode. The other engine tests run vLLM's CPU default, runner V1. Here the same engine runs
+V2 (:mod:`.runner_v2` says how: Triton's interpreter, and the oracle drafting in place of
+V2's n-gram speculator), and the greedy tokens must be those of a cold full-state run:
+
+* without prefix caching: the default commit (fused into the next verify) at S = 3
+  (~50% acceptance), ``fused`` at S = 7 (every draft right) with every running request
+  preempted once, and ``eager`` at S = 3;
+* with prefix caching in align mode (where the commit is eager), through a second wave
+  whose prompts hit the prefix cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from vllm_recoverssm.vllm_plugin.run_engine import (
+    EngineReport,
+    EngineRun,
+    FollowUp,
+    run_in_subprocess,
+)
+
+from .engine import CHUNKED, MAX_TOKENS, ColdRun, environment, oracle_file, prompts
+from .runner_v2 import ENVIRONMENT, MODULE
+
+pytestmark = pytest.mark.vllm
+
+FUSED_LINE = "commit: fused into the next verify"
+ALIGN = {**CHUNKED, "enable_prefix_caching": True}
+
+
+def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False) -> EngineReport:
+    """One engine under runner V2, in a fresh process.
+
+    ``align``: with ``PYTHONOPTIMIZE``, because vLLM's align-mode state-index step asserts
+    that its input lives on a CUDA device before it launches its Triton kernel
+    (``MambaStateContext.compute_aligned_state_indices``); the kernel itself runs in the
+    interpreter on CPU tensors like every other.
+    """
+    env = {**environment(), **ENVIRONMENT}
+    if align:
+        env["PYTHONOPTIMIZE"] = "1"
+    return run_in_subprocess(spec, workdir, env=env, module=MODULE)
+
+
+@pytest.mark.parametrize("num_spec, corrupt, preempt, commit", [
+    (3, 0.3, None, None), (7, 0.0, 6, "fused"), (3, 0.3, None, "eager"),
+], ids=["S3-half-default", "S7-all-preempted-fused", "S3-half-eager"])
+def test_recovery_under_runner_v2_matches_full_states_token_for_token(
+    cold_run: ColdRun, num_spec: int, corrupt: float, preempt: int | None,
+    commit: Literal["fused", "eager"] | None,
+) -> None:
+    p = prompts()
+    oracle = oracle_file(cold_run.workdir / f"oracle-v2-{num_spec}-{corrupt}.json", p,
+                         cold_run.continuations, corrupt)
+    report = run_v2(EngineRun(model=cold_run.model, mode="on", commit=commit,
+                              num_spec=num_spec, oracle=oracle, prompts=p,
+                              max_tokens=MAX_TOKENS, engine=CHUNKED,
+                              preempt_after_steps=preempt), cold_run.workdir)
+    assert report.recovery
+    assert report.accepted_tokens > 0
+    if corrupt == 0.0:
+        assert report.acceptance > 0.9, report.acceptance
+    if preempt is not None:
+        assert report.preemptions > 0
+    assert report.outputs == cold_run.continuations
+    if commit == "eager":
+        # the plugin logs no commit line for a commit asked for by name
+        assert report.commit_lines == [] and report.deferred_commit_steps == 0
+        return
+    assert any(FUSED_LINE in line for line in report.commit_lines), report.commit_lines
+    # V2's model state names each step's requests, so a step that verifies every pending
+    # request again skips the standalone commit; requests that end or are preempted don't
+    assert report.deferred_commit_steps > 0
+    assert report.settles_skipped > 0 and report.settles > 0
+
+
+def _waves() -> tuple[list[list[int]], list[list[list[int] | FollowUp]]]:
+    """Wave 0: three prompts (two longer than 32-token chunks). Wave 1: the first again,
+    its first 70 tokens with a new tail, and the second's follow-up turn."""
+    first = prompts(seed=11, lengths=(80, 45, 9))
+    later: list[list[int] | FollowUp] = [first[0], first[0][:70] + [11, 12, 13],
+                                         FollowUp(after=(0, 1), extra=[3, 4, 5, 6, 7])]
+    return first, [later]
+
+
+def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
+    cold_run: ColdRun,
+) -> None:
+    """Recovery and full states, each with vLLM's prefix caching (align mode), against a
+    cold run without it: every token of both waves, with the second wave's prompts
+    served partly from cached state blocks."""
+    first, later = _waves()
+    common: dict[str, Any] = dict(model=cold_run.model, num_spec=3, prompts=first,
+                                  waves=later, max_tokens=MAX_TOKENS)
+    cold = run_in_subprocess(EngineRun(mode="off", engine=CHUNKED, **common),
+                             cold_run.workdir, env=environment())
+    asked = [q for w in cold.waves for q in w.prompts]
+    answers = [o for w in cold.waves for o in w.outputs]
+    oracle = oracle_file(cold_run.workdir / "oracle-v2-align.json", asked, answers, 0.3)
+    runs = {mode: run_v2(EngineRun(mode=mode, oracle=oracle, engine=ALIGN, **common),
+                         cold_run.workdir, align=True) for mode in ("off", "on")}
+    assert runs["on"].recovery and not runs["off"].recovery
+    assert any("prefix caching" in line for line in runs["on"].commit_lines)
+    for mode, run in runs.items():
+        assert run.accepted_tokens > 0, mode
+        assert [w.prompts for w in run.waves] == [w.prompts for w in cold.waves], mode
+        assert [w.outputs for w in run.waves] == [w.outputs for w in cold.waves], mode
+        # the second wave read state blocks from vLLM's own prefix cache
+        assert run.waves[1].local_hits > 0, (mode, run.waves[1].num_cached_tokens)
+    assert runs["on"].waves[1].num_cached_tokens == runs["off"].waves[1].num_cached_tokens
