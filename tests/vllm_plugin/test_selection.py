@@ -241,12 +241,21 @@ def test_a_fallback_warns_only_when_fused_was_asked_for(
         cfg = with_prefix_caching(build_config(*MTP3, *extra), block_size=16)
         plugin_config._logged.clear()
         caplog.clear()
-        logger = logging.getLogger(plugin_config.LOGGER_NAME)
-        with on_gpu(v2_runner=True), mock.patch.object(logger, "propagate", True), \
-                caplog.at_level(logging.INFO, logger=plugin_config.LOGGER_NAME):
-            plugin_config.log_decision_once(cfg, decide_for_vllm_config(cfg))
-        lines = [r for r in caplog.records if "commit: eager, not fused" in r.getMessage()]
-        assert len(lines) == 1, caplog.text
+        # listen on the plugin's own logger: whether vLLM's logger propagates to the root
+        # logger (where caplog listens) depends on what configured logging before
+        records: list[logging.LogRecord] = []
+        listener = logging.Handler(logging.INFO)
+        listener.emit = records.append  # type: ignore[method-assign]
+        logger = plugin_config.plugin_logger()
+        logger.addHandler(listener)
+        try:
+            with on_gpu(v2_runner=True), \
+                    caplog.at_level(logging.INFO, logger=plugin_config.LOGGER_NAME):
+                plugin_config.log_decision_once(cfg, decide_for_vllm_config(cfg))
+        finally:
+            logger.removeHandler(listener)
+        lines = [r for r in records if "commit: eager, not fused" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in records]
         levels[name] = lines[0].levelno
     assert levels == {"fused": logging.WARNING, "auto": logging.INFO}
 
