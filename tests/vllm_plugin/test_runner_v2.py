@@ -8,7 +8,7 @@ V2's n-gram speculator), and the greedy tokens must be those of a cold full-stat
 
 * without prefix caching: the default commit (fused into the next verify) at S = 3
   (~50% acceptance), ``fused`` at S = 7 (every draft right) with every running request
-  preempted once, and ``eager`` at S = 3;
+  preempted once, and ``eager`` at S = 3; and vLLM's DFlash drafter, V2's own;
 * with prefix caching in align mode (where the commit is eager), through a second wave
   whose prompts hit the prefix cache.
 """
@@ -26,6 +26,7 @@ from vllm_recoverssm.vllm_plugin.run_engine import (
     FollowUp,
     run_in_subprocess,
 )
+from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_dflash
 
 from .engine import CHUNKED, MAX_TOKENS, ColdRun, environment, oracle_file, prompts
 from .runner_v2 import ENVIRONMENT, MODULE
@@ -80,6 +81,18 @@ def test_recovery_under_runner_v2_matches_full_states_token_for_token(
     # request again skips the standalone commit; requests that end or are preempted don't
     assert report.deferred_commit_steps > 0
     assert report.settles_skipped > 0 and report.settles > 0
+
+
+def test_vllms_dflash_drafter_under_runner_v2(cold_run: ColdRun) -> None:
+    """V2's own DFlash speculator (a tiny draft reading the target's hidden states; random
+    weights, so its drafts are rarely right) with the default commit."""
+    draft = write_tiny_dflash(cold_run.workdir / "tiny-dflash-v2")
+    report = run_v2(EngineRun(model=cold_run.model, mode="on", drafter="dflash",
+                              draft_model=str(draft), num_spec=3, prompts=prompts(),
+                              max_tokens=MAX_TOKENS, engine=CHUNKED), cold_run.workdir)
+    assert report.recovery and report.draft_tokens > 0
+    assert any(FUSED_LINE in line for line in report.commit_lines), report.commit_lines
+    assert report.outputs == cold_run.continuations
 
 
 def _waves() -> tuple[list[list[int]], list[list[list[int] | FollowUp]]]:
