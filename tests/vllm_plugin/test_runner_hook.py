@@ -206,6 +206,47 @@ def test_commit_runs_before_capture_and_capture_sees_the_committed_state(
     assert state.num_accepted_tokens_gpu[:3].tolist() == [2, 4, 4]
 
 
+def test_a_capture_under_the_fused_commit_sees_the_pending_records_committed(
+    state_and_layers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fused commit: the step's commit only defers its records, so before a capture hook
+    reads the state the model state commits every pending record."""
+    from vllm_recoverssm.vllm_plugin.worker import model_state as ms
+    from vllm_recoverssm.vllm_plugin.worker.commit import register_commit_context
+    from vllm_recoverssm.vllm_plugin.worker.deferred_commit import DeferredCommits
+
+    make, layers, gen = state_and_layers
+    state, meta = make(recovery=True)
+    context = meta.commit_context
+    context.deferred = DeferredCommits(4, torch.device("cpu"))
+    # the model state finds the recovery groups through vLLM's layer table
+    monkeypatch.setattr(state.vllm_config.compilation_config, "static_forward_context",
+                        context.forward_context)
+    register_commit_context(context)
+    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
+    inputs = spec_step(layers, [3, 0, 5], gen)
+    captured: list[dict[str, torch.Tensor]] = []
+
+    def capture(step: Any) -> None:
+        captured.append({n: m.kv_cache[1].clone() for n, m in layers.items()})
+
+    ms.register_boundary_capture(capture)
+    try:
+        state.recoverssm.record_step(
+            {n: meta for n in NAMES}, [[SimpleNamespace(layer_names=NAMES)]],
+            for_capture=False)
+        num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
+        state.postprocess_state(torch.tensor([0, 1, 2], dtype=torch.int32), num_sampled)
+    finally:
+        ms.unregister_boundary_capture(capture)
+    assert context.deferred.deferred_steps == 1  # the step's commit was deferred ...
+    for name, m in layers.items():  # ... and committed before the capture read the state
+        for row, slot in ((0, 3), (2, 5)):
+            want = expected_state(m, inputs[name], slot, row, int(num_sampled[row]),
+                                  pre[name][slot])
+            torch.testing.assert_close(captured[0][name][slot], want, atol=1e-5, rtol=0)
+
+
 def test_b12x_commits_when_the_group_runs_on_b12x(
     state_and_layers: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -422,6 +422,11 @@ def uses_v2_model_runner(vllm_config: Any) -> bool:
     return bool(vllm_config.use_v2_model_runner)
 
 
+def batch_request_ids(input_batch: Any) -> list[str | None]:
+    """The request id of each row of runner V2's ``InputBatch``."""
+    return list(input_batch.req_ids)
+
+
 def layer_table(vllm_config: Any) -> dict[str, Any]:
     """The layers vLLM built for ``vllm_config``, by name (``static_forward_context``)."""
     return vllm_config.compilation_config.static_forward_context  # type: ignore[no-any-return]

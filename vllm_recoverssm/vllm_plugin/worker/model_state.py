@@ -77,8 +77,8 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         """vLLM's attention metadata, after naming the batch's requests to the recovery
         groups (the fused commit keys its pending records by request)."""
         if self.use_recovery:
-            see_step(self.vllm_config.compilation_config.static_forward_context,
-                     list(input_batch.req_ids))
+            see_step(compat.layer_table(self.vllm_config),
+                     compat.batch_request_ids(input_batch))
         return super().prepare_attn(input_batch, *args, **kwargs)  # type: ignore[no-any-return]
 
     def postprocess_state(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor | int,
@@ -96,7 +96,7 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         if self.use_recovery:
             # under the fused commit the step's records wait for the next verify; a
             # capture reads the state now, so they are committed first
-            settle_pending(self.vllm_config.compilation_config.static_forward_context)
+            settle_pending(compat.layer_table(self.vllm_config))
             bias = torch.zeros_like(num_sampled)
         else:
             bias = (num_sampled - 1).clamp(min=0)
