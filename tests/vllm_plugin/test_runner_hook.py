@@ -11,6 +11,7 @@ that scatters the accepted counts (Triton has no CPU backend in vLLM's CPU build
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -99,6 +100,25 @@ def expected_state(m: Any, inp: Any, slot: int, row: int, n: int, s0: torch.Tens
     return s
 
 
+def postprocess_step(state: Any, meta: Any, num_sampled: torch.Tensor,
+                     capture: Callable[[Any], None] | None = None,
+                     num_computed_tokens: torch.Tensor | None = None) -> None:
+    """What runner V2 does around sampling: the model state records the step's metadata,
+    then runs its postprocess (commit, then capture hooks) with ``capture`` registered."""
+    from vllm_recoverssm.vllm_plugin.worker import model_state as ms
+
+    if capture is not None:
+        ms.register_boundary_capture(capture)
+    try:
+        state.recoverssm.record_step({n: meta for n in NAMES},
+                                     [[SimpleNamespace(layer_names=NAMES)]], for_capture=False)
+        rows = torch.arange(num_sampled.numel(), dtype=torch.int32)
+        state.postprocess_state(rows, num_sampled, num_computed_tokens)
+    finally:
+        if capture is not None:
+            ms.unregister_boundary_capture(capture)
+
+
 @pytest.fixture
 def state_and_layers(build_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     from vllm.config import set_current_vllm_config
@@ -151,7 +171,6 @@ class _Null:
 def test_commit_runs_before_capture_and_capture_sees_the_committed_state(
     state_and_layers: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_recoverssm.vllm_plugin.worker import model_state as ms
 
     make, layers, gen = state_and_layers
     state, meta = make(recovery=True)
@@ -174,15 +193,8 @@ def test_commit_runs_before_capture_and_capture_sees_the_committed_state(
         captured.append((step, {n: (m.kv_cache[1].clone(), m.kv_cache[0].clone())
                                 for n, m in layers.items()}))
 
-    ms.register_boundary_capture(capture)
-    try:
-        state.recoverssm.record_step(
-            {n: meta for n in NAMES}, [[SimpleNamespace(layer_names=NAMES)]],
-            for_capture=False)
-        num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
-        state.postprocess_state(torch.tensor([0, 1, 2], dtype=torch.int32), num_sampled)
-    finally:
-        ms.unregister_boundary_capture(capture)
+    num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
+    postprocess_step(state, meta, num_sampled, capture)
 
     assert events == ["commit", "conv_compact", "conv_compact", "capture"]
     step, seen = captured[0]
@@ -211,7 +223,6 @@ def test_a_capture_under_the_fused_commit_sees_the_pending_records_committed(
 ) -> None:
     """Fused commit: the step's commit only defers its records, so before a capture hook
     reads the state the model state commits every pending record."""
-    from vllm_recoverssm.vllm_plugin.worker import model_state as ms
     from vllm_recoverssm.vllm_plugin.worker.commit import register_commit_context
     from vllm_recoverssm.vllm_plugin.worker.deferred_commit import DeferredCommits
 
@@ -230,15 +241,8 @@ def test_a_capture_under_the_fused_commit_sees_the_pending_records_committed(
     def capture(step: Any) -> None:
         captured.append({n: m.kv_cache[1].clone() for n, m in layers.items()})
 
-    ms.register_boundary_capture(capture)
-    try:
-        state.recoverssm.record_step(
-            {n: meta for n in NAMES}, [[SimpleNamespace(layer_names=NAMES)]],
-            for_capture=False)
-        num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
-        state.postprocess_state(torch.tensor([0, 1, 2], dtype=torch.int32), num_sampled)
-    finally:
-        ms.unregister_boundary_capture(capture)
+    num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
+    postprocess_step(state, meta, num_sampled, capture)
     assert context.deferred.deferred_steps == 1  # the step's commit was deferred ...
     for name, m in layers.items():  # ... and committed before the capture read the state
         for row, slot in ((0, 3), (2, 5)):
@@ -258,10 +262,8 @@ def test_b12x_commits_when_the_group_runs_on_b12x(
     pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
     inputs = spec_step(layers, [3, 0, 5], gen)
     monkeypatch.setattr(ops, "commit", lambda *a, **k: pytest.fail("ops.commit ran"))
-    state.recoverssm.record_step({n: meta for n in NAMES},
-                                 [[SimpleNamespace(layer_names=NAMES)]], for_capture=False)
     num_sampled = torch.tensor([3, 4, 1], dtype=torch.int32)
-    state.postprocess_state(torch.tensor([0, 1, 2], dtype=torch.int32), num_sampled)
+    postprocess_step(state, meta, num_sampled)
     [(name, args, kwargs)] = b12x.calls
     assert name == "commit" and len(args[0]) == len(NAMES)  # all layers in one call
     assert args[3].dtype == args[4].dtype == torch.float32  # [L, H], [L, H, K]
@@ -392,17 +394,9 @@ def test_align_mode_commits_into_prefix_cache_blocks(
                          for k, m in layers.items()})
         assert len(postprocess.calls) == 1  # vLLM moved its running column first
 
-    ms.register_boundary_capture(capture)
-    try:
-        state.recoverssm.record_step({k: meta for k in NAMES},
-                                     [[SimpleNamespace(layer_names=NAMES)]],
-                                     for_capture=False)
-        idx_mapping = torch.arange(n, dtype=torch.int32)
-        state.postprocess_state(idx_mapping, torch.tensor(ALIGN_SAMPLED, dtype=torch.int32),
-                                torch.tensor(ALIGN_NC, dtype=torch.int32)
-                                + torch.tensor(ALIGN_SAMPLED, dtype=torch.int32))
-    finally:
-        ms.unregister_boundary_capture(capture)
+    sampled = torch.tensor(ALIGN_SAMPLED, dtype=torch.int32)
+    postprocess_step(state, meta, sampled, capture,
+                     torch.tensor(ALIGN_NC, dtype=torch.int32) + sampled)
 
     call = postprocess.calls[0]
     assert call["grid"] == (n,) and call["request_indices"] == list(range(n))
