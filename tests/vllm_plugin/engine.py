@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vllm_recoverssm.vllm_plugin.run_engine import EngineReport, EngineRun, run_in_subprocess
+from vllm_recoverssm.vllm_plugin.run_engine import (
+    MODULE,
+    EngineReport,
+    EngineRun,
+    run_in_subprocess,
+)
 from vllm_recoverssm.vllm_plugin.spec_decode.oracle import write_oracle
 
 T = TypeVar("T")
@@ -46,10 +51,12 @@ def environment() -> dict[str, str]:
     return env
 
 
-def run_engine(spec: EngineRun, workdir: Path, env: dict[str, str] | None = None
-               ) -> EngineReport:
-    """One engine, in a fresh process (``env``: more environment for it)."""
-    return run_in_subprocess(spec, workdir, env={**environment(), **(env or {})})
+def run_engine(spec: EngineRun, workdir: Path, env: dict[str, str] | None = None,
+               module: str = MODULE) -> EngineReport:
+    """One engine, in a fresh process (``env``: more environment for it; ``module``: the
+    entry point that runs it, see ``run_in_subprocess``)."""
+    return run_in_subprocess(spec, workdir, env={**environment(), **(env or {})},
+                             module=module)
 
 
 def side_by_side(jobs: Sequence[Callable[[dict[str, str]], T]]) -> list[T]:

@@ -24,11 +24,10 @@ from vllm_recoverssm.vllm_plugin.run_engine import (
     EngineReport,
     EngineRun,
     FollowUp,
-    run_in_subprocess,
 )
 from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_dflash
 
-from .engine import CHUNKED, MAX_TOKENS, ColdRun, environment, oracle_file, prompts
+from .engine import CHUNKED, MAX_TOKENS, ColdRun, oracle_file, prompts, run_engine
 from .runner_v2 import ENVIRONMENT, MODULE
 
 pytestmark = pytest.mark.vllm
@@ -45,10 +44,10 @@ def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False) -> EngineRepo
     (``MambaStateContext.compute_aligned_state_indices``); the kernel itself runs in the
     interpreter on CPU tensors like every other.
     """
-    env = {**environment(), **ENVIRONMENT}
+    env = dict(ENVIRONMENT)
     if align:
         env["PYTHONOPTIMIZE"] = "1"
-    return run_in_subprocess(spec, workdir, env=env, module=MODULE)
+    return run_engine(spec, workdir, env, module=MODULE)
 
 
 @pytest.mark.parametrize("num_spec, corrupt, preempt, commit", [
@@ -113,8 +112,7 @@ def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
     first, later = _waves()
     common: dict[str, Any] = dict(model=cold_run.model, num_spec=3, prompts=first,
                                   waves=later, max_tokens=MAX_TOKENS)
-    cold = run_in_subprocess(EngineRun(mode="off", engine=CHUNKED, **common),
-                             cold_run.workdir, env=environment())
+    cold = run_engine(EngineRun(mode="off", engine=CHUNKED, **common), cold_run.workdir)
     asked = [q for w in cold.waves for q in w.prompts]
     answers = [o for w in cold.waves for o in w.outputs]
     oracle = oracle_file(cold_run.workdir / "oracle-v2-align.json", asked, answers, 0.3)
