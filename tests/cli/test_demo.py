@@ -95,7 +95,8 @@ def test_mtp_drafter(capsys: pytest.CaptureFixture[str]) -> None:
     [("--num-spec", "8", "num-spec"), ("--acceptance", "1.5", "acceptance"),
      ("--requests", "0", "requests"), ("--threads", "0", "threads"),
      ("--checkpoint-dir", "ckpt", "checkpoint-dir"), ("--dtype", "int8", "dtype"),
-     ("--repeat", "0", "repeat"), ("--max-prefill-tokens", "0", "max-prefill-tokens")],
+     ("--repeat", "0", "repeat"), ("--max-prefill-tokens", "0", "max-prefill-tokens"),
+     ("--block-size", "64", "only with --prefix-caching")],
 )
 def test_bad_arguments_are_one_line_errors(
     capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
@@ -130,6 +131,36 @@ def test_prefix_caching_second_wave_hits(capsys: pytest.CaptureFixture[str]) -> 
     for m in report["modes"].values():
         assert m["prefix_cache_hits"] == 2  # the second wave of two reuses the shared prompt
         assert m["prefix_cache_hit_tokens"] == 2 * 32
+
+
+def test_block_size_sets_the_cached_blocks_and_the_fused_commit_reports_its_rows(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With blocks of 8 tokens the shared prompt is 16 tokens; rows that reach a block's end
+    commit after their step, the rest wait for their next verify."""
+    args = ["demo", "--device", "cpu", "--model", "test", "--requests", "4",
+            "--max-new-tokens", "12", "--prefix-caching", "--block-size", "8", "--no-progress"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["block_size"] == 8
+    assert "fused" in report["commit"]
+    for m in report["modes"].values():
+        assert m["prefix_cache_hit_tokens"] == 2 * 16
+    rec = report["modes"]["recovery"]
+    assert 0 < rec["deferred_rows"] < sum(rec["accept_histogram"])
+    assert report["modes"]["full_state"]["deferred_rows"] == 0
+    assert main(args) == 0
+    assert "fused commit, blocks of 8 tokens: " in capsys.readouterr().out
+    assert main([*args, "--separate-commit", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"]["recovery"]["deferred_rows"] == 0
+    assert main([*args[:-3], "--block-size", "3", "--no-progress"]) == 2
+    assert "S+1 = 4" in capsys.readouterr().err
+
+
+def test_block_size_is_refused_for_the_vllm_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--engine", "vllm", "--block-size", "64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--block-size" in err and "reference" in err and err.count("\n") == 1
 
 
 @pytest.mark.lmcache

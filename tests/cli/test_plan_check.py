@@ -64,8 +64,8 @@ def test_plan_json_align_budget(capsys):
     ([], True),                                    # auto, as the plugin's default
     (["--commit", "fused"], True),
     (["--commit", "eager"], False),
-    (["--cache-mode", "align", "--block-size", "64"], False),  # the plugin commits eagerly
-    (["--commit", "fused", "--cache-mode", "align", "--block-size", "64"], False),
+    (["--cache-mode", "align", "--block-size", "64"], True),
+    (["--commit", "eager", "--cache-mode", "align", "--block-size", "64"], False),
 ])
 def test_plan_counts_the_scratch_rows_of_the_plugins_commit(capsys, extra, fused):
     code, out, _ = run(["plan", "--max-num-seqs", "8", "--json", *extra], capsys)
@@ -257,7 +257,7 @@ def test_check_bad_arguments(capsys, argv, words):
      "state between steps"),
     (["--runner", "v1", "--commit", "eager"], "commit: eager, right after sampling (asked for)"),
     (["--cache-mode", "align", "--block-size", "64"],
-     "commit: eager, not fused: prefix caching caches state blocks between steps"),
+     "commit: fused into the next verify (record scratch of 2 x 8 rows)"),
 ])
 def test_check_says_how_the_plugin_commits(capsys, argv, line):
     code, out, _ = run(["check", "--max-num-seqs", "8", *GOOD_CHECK, *argv], capsys)

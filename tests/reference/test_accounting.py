@@ -22,8 +22,8 @@ def test_measured_bytes_equal_planner(
     _, rt = run(tiny_model, prompts, drafter, mode=mode, num_spec=num_spec,
                 prefix_caching=prefix_caching, block_size=4)
     assert rt.stats.peak_slots_per_request == rt.config.slots_per_request
-    # the fused commit (recovery without prefix caching) holds a second record row
-    assert rt.config.fused == (mode == "recovery" and not prefix_caching)
+    # the fused commit (recovery's default) holds a second record row
+    assert rt.config.fused == (mode == "recovery")
     assert measured_state_bytes(rt) == planned_state_bytes(
         tiny_model.config, mode, num_spec, prefix_caching, fused=rt.config.fused)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -56,17 +57,28 @@ def test_mtp_drafter_modes_agree(tiny_model: HybridModel, prompts: list[list[int
     assert rec_rt.stats.proposed_drafts > 0
 
 
+@pytest.mark.parametrize("block_size", [None, 8], ids=["no-prefix-caching", "align-B8"])
 def test_fused_and_separate_commit_agree(
-    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]]
+    tiny_model: HybridModel, prompts: list[list[int]], references: list[list[int]],
+    block_size: int | None,
 ) -> None:
-    """The commit fused into the next verify gives the tokens of a commit after each step."""
+    """The commit fused into the next verify gives the tokens of a commit after each step;
+    with prefix caching too, where rows at a block's end commit after the step."""
     drafter = oracle(tiny_model, prompts, references, 0.35)
-    fused, fused_rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3)
+    cache: dict[str, Any] = ({} if block_size is None else
+                             dict(prefix_caching=True, block_size=block_size))
+    fused, fused_rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3, **cache)
     separate, sep_rt = run(tiny_model, prompts, drafter, mode=RECOVERY, num_spec=3,
-                           fused_commit=False)
+                           fused_commit=False, **cache)
     assert fused_rt.config.fused and not sep_rt.config.fused
     assert fused == separate == [r[:MAX_NEW] for r in references]
     assert fused_rt.stats.accept_histogram == sep_rt.stats.accept_histogram
+    decode_rows = sum(fused_rt.stats.accept_histogram)
+    assert sep_rt.stats.deferred_rows == 0
+    if block_size is None:
+        assert fused_rt.stats.deferred_rows == decode_rows
+    else:  # some rows reached a block's end and committed after their step
+        assert 0 < fused_rt.stats.deferred_rows < decode_rows
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])

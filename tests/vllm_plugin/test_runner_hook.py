@@ -428,3 +428,47 @@ def test_align_mode_commits_into_prefix_cache_blocks(
         # the null row and blocks no plan names are untouched
         for block in (0, 1, 4, 7):
             torch.testing.assert_close(states[block], pre[name][0][block])
+
+
+def test_requests_that_left_the_batch_commit_before_vllms_preprocess(
+    state_and_layers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fused commit: a request that finished may leave records pending on a state block
+    that vLLM hands to another request and, in align mode, copies a state into in its
+    ``preprocess_state``. So the model state commits the records of every request that
+    left the batch before vLLM's preprocess runs; the others stay pending."""
+    from vllm.v1.worker.gpu.model_states import mamba_hybrid
+
+    from vllm_recoverssm.vllm_plugin.worker.commit import register_commit_context
+    from vllm_recoverssm.vllm_plugin.worker.deferred_commit import DeferredCommits
+
+    make, layers, gen = state_and_layers
+    state, meta = make(recovery=True)
+    context = meta.commit_context
+    context.deferred = DeferredCommits(4, torch.device("cpu"))
+    monkeypatch.setattr(state.vllm_config.compilation_config, "static_forward_context",
+                        context.forward_context)
+    register_commit_context(context)
+    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
+    inputs = spec_step(layers, [3, 0, 5], gen)
+    context.see_step(["a", "pad", "b"])
+    meta.spec_request_rows_cpu = [0, 1, 2]
+    num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
+    postprocess_step(state, meta, num_sampled)  # the step's records wait
+    assert context.deferred.deferred_steps == 1
+
+    seen: list[dict[str, torch.Tensor]] = []
+    monkeypatch.setattr(mamba_hybrid.MambaHybridModelState, "preprocess_state",
+                        lambda self, *a, **k: seen.append(
+                            {n: m.kv_cache[1].clone() for n, m in layers.items()}))
+    state.preprocess_state(SimpleNamespace(req_ids=["b", "c"]), (), None, None)
+    assert len(seen) == 1
+    for name, m in layers.items():
+        # "a" left the batch: committed before vLLM's preprocess read or wrote any block
+        want = expected_state(m, inputs[name], 3, 0, 2, pre[name][3])
+        torch.testing.assert_close(seen[0][name][3], want, atol=1e-5, rtol=0)
+        # "b" runs again: its records still wait for its fused verify
+        torch.testing.assert_close(seen[0][name][5], pre[name][5])
+    assert context.deferred.pending_lens is not None
+    assert context.deferred.pending_lens[[3, 5]].tolist() == [0, 4]
+    assert context.deferred.settles == 1

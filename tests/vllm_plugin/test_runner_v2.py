@@ -9,8 +9,9 @@ V2's n-gram speculator), and the greedy tokens must be those of a cold full-stat
 * without prefix caching: the default commit (fused into the next verify) at S = 3
   (~50% acceptance), ``fused`` at S = 7 (every draft right) with every running request
   preempted once, and ``eager`` at S = 3; and vLLM's DFlash drafter, V2's own;
-* with prefix caching in align mode (where the commit is eager), through a second wave
-  whose prompts hit the prefix cache.
+* with prefix caching in align mode, through a second wave whose prompts hit the prefix
+  cache: the default commit (fused, except for rows at a state block's end) and
+  ``eager``.
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
     asked = [q for w in cold.waves for q in w.prompts]
     answers = [o for w in cold.waves for o in w.outputs]
     oracle = oracle_file(cold_run.workdir / "oracle-v2-align.json", asked, answers, 0.3)
-    runs = {mode: run_v2(EngineRun(mode=mode, oracle=oracle, engine=ALIGN, **common),
-                         cold_run.workdir, align=True) for mode in ("off", "on")}
-    assert runs["on"].recovery and not runs["off"].recovery
-    assert any("prefix caching" in line for line in runs["on"].commit_lines)
+    runs = {name: run_v2(EngineRun(mode=mode, oracle=oracle, engine=engine, commit=commit,
+                                   **common), cold_run.workdir, align=True)
+            for name, mode, commit, engine in (
+                ("off", "off", None, ALIGN), ("on", "on", None, ALIGN),
+                ("on-64", "on", None, {**ALIGN, "mamba_block_size": 64}),
+                ("on-eager", "on", "eager", ALIGN))}
     for mode, run in runs.items():
         assert run.accepted_tokens > 0, mode
         assert [w.prompts for w in run.waves] == [w.prompts for w in cold.waves], mode
@@ -127,3 +130,12 @@ def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
         # the second wave read state blocks from vLLM's own prefix cache
         assert run.waves[1].local_hits > 0, (mode, run.waves[1].num_cached_tokens)
     assert runs["on"].waves[1].num_cached_tokens == runs["off"].waves[1].num_cached_tokens
+    assert not runs["off"].recovery
+    for name in ("on", "on-64"):
+        run = runs[name]
+        assert run.recovery and any(FUSED_LINE in line for line in run.commit_lines), name
+        assert run.deferred_commit_steps > 0 and run.boundary_commits > 0, (name, run)
+    # with blocks of 64 tokens (16 by default here) most steps have no row near a block's
+    # end and launch no commit after sampling
+    assert runs["on-64"].boundary_commits < runs["on-64"].deferred_commit_steps / 2
+    assert runs["on-eager"].recovery and runs["on-eager"].deferred_commit_steps == 0

@@ -229,16 +229,29 @@ def test_fused_commit_applies_under_runner_v1_without_a_cache_or_connector(
         assert not fused_commit_enabled(eager) and commit_summary(eager) is None
 
 
+def with_other_connector(cfg: Any) -> Any:
+    """A copy of ``cfg`` with a request-boundary KV connector that is not the plugin's."""
+    import copy
+
+    from vllm.config import KVTransferConfig
+
+    out = copy.copy(cfg)
+    object.__setattr__(out, "kv_transfer_config", KVTransferConfig(
+        kv_connector="LMCacheConnectorV1", kv_role="kv_both",
+        kv_connector_extra_config={"request_boundary_checkpoints": True}))
+    return out
+
+
 def test_a_fallback_warns_only_when_fused_was_asked_for(
     build_config: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """With prefix caching the commit stays eager: a warning for ``fused``, information
-    for the default."""
+    """With another KV connector the commit stays eager: a warning for ``fused``,
+    information for the default."""
     import logging
 
     levels = {}
     for name, extra in (("fused", FUSED), ("auto", ())):
-        cfg = with_prefix_caching(build_config(*MTP3, *extra), block_size=16)
+        cfg = with_other_connector(build_config(*MTP3, *extra))
         plugin_config._logged.clear()
         caplog.clear()
         # listen on the plugin's own logger: whether vLLM's logger propagates to the root
@@ -265,11 +278,16 @@ def test_fused_commit_falls_back_to_eager_and_says_why(build_config: Any) -> Non
     for v2 in (True, False):  # either runner fuses: V1 after sampling, V2 in its model state
         with on_gpu(v2_runner=v2):
             assert fused_commit_enabled(cfg) and fused_commit_blockers(cfg) == []
+    # prefix caching (align) fuses too: rows at a state block's end commit after sampling
     cached = with_prefix_caching(cfg, block_size=16)
     with on_gpu(v2_runner=True):
-        assert not fused_commit_enabled(cached)
-        assert commit_summary(cached) == (
-            "commit: eager, not fused: prefix caching caches state blocks between steps")
+        assert fused_commit_enabled(cached) and fused_commit_blockers(cached) == []
+    other = with_other_connector(cfg)
+    with on_gpu(v2_runner=False):
+        assert not fused_commit_enabled(other)
+        assert commit_summary(other) == (
+            "commit: eager, not fused: a KV connector other than the plugin's may export "
+            "the state between steps")
     with on_gpu(capability=(12, 0), v2_runner=False), \
             mock.patch.object(plugin_config, "choose_kernel_backend", lambda cap: "b12x"):
         assert fused_commit_blockers(cfg) == [

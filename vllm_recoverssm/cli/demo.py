@@ -39,6 +39,7 @@ MAX_REQUESTS = 256
 MAX_NEW_TOKENS = 4096
 MAX_THREADS = 256
 MAX_PREFILL_TOKENS = 65536
+MAX_BLOCK_SIZE = 8192
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -79,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="target draft acceptance of the oracle drafter, 0..1 (default 0.7)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the state every block (align mode) and reuse shared prefixes")
+    p.add_argument("--block-size", type=Int(1, MAX_BLOCK_SIZE), default=None, metavar="N",
+                   help="with --prefix-caching: tokens per cached state block (default 16, "
+                        "at least S+1; vLLM picks hundreds or more for these models on a GPU)")
     p.add_argument("--checkpoint", choices=("ram", "disk"), default=None,
                    help="export request-boundary checkpoints to LMCache (CPU RAM, or disk "
                         "through its fs backend) and restore a second wave from them")
@@ -204,6 +208,15 @@ def format_report(report: DemoReport) -> str:
     if any(m.graph_steps for m in report.modes.values()):
         steps = ", ".join(f"{MODE_TITLES[k]} {m.graph_steps}" for k, m in report.modes.items())
         lines.append(f"decode steps replayed from a CUDA graph: {steps}")
+    rec = report.modes.get("recovery")
+    if rec is not None and rec.deferred_rows and report.block_size is not None:
+        rows = sum(rec.accept_histogram)
+        rest = ("" if rec.deferred_rows == rows else
+                f"; the other {rows - rec.deferred_rows} reached a block's end and committed "
+                "after their step")
+        lines.append(f"fused commit, blocks of {report.block_size} tokens: "
+                     f"{rec.deferred_rows} of {rows} decode rows waited for their next "
+                     f"verify{rest}")
     if any(m.prefix_cache_hits for m in report.modes.values()):
         hits = ", ".join(f"{MODE_TITLES[k]} {m.prefix_cache_hits} ({m.prefix_cache_hit_tokens} "
                          "prompt tokens not recomputed)" for k, m in report.modes.items())
@@ -269,6 +282,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.dtype != "auto":
         raise flag_error("--dtype", "applies to --engine reference only (the vLLM engine "
                          f"demo's model runs in bfloat16), got {args.dtype!r}")
+    if args.block_size is not None:
+        raise flag_error("--block-size", "applies to --engine reference only (vLLM picks "
+                         f"its own state block size), got {args.block_size}")
     if importlib.util.find_spec("vllm") is None:
         raise flag_error("--engine", "vllm needs the vLLM package, which is not installed "
                          "here (make install-vllm installs its CPU build)")
@@ -314,8 +330,8 @@ def validate(args: argparse.Namespace) -> DemoOptions:
             device=args.device, model=args.model, dtype=args.dtype, num_requests=args.requests,
             max_new_tokens=args.max_new_tokens, num_spec=args.num_spec, drafter=args.drafter,
             acceptance=args.acceptance, prefix_caching=args.prefix_caching,
-            cuda_graph=False if args.no_cuda_graph else None, seed=args.seed,
-            checkpoint=args.checkpoint,
+            block_size=args.block_size, cuda_graph=False if args.no_cuda_graph else None,
+            seed=args.seed, checkpoint=args.checkpoint,
             checkpoint_dir=None if args.checkpoint_dir is None else str(args.checkpoint_dir),
             fused_commit=not args.separate_commit,
             max_prefill_tokens=args.max_prefill_tokens, repeat=args.repeat,

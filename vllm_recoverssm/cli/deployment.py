@@ -141,10 +141,11 @@ def _check_cache_flags(args: argparse.Namespace) -> None:
 def fused_commit(args: argparse.Namespace) -> bool:
     """Whether the plugin would fuse the commit in the deployment the flags describe.
 
-    The plugin never fuses it in align mode (prefix caching), the one blocker these flags
-    name; b12x or a KV connector other than the plugin's keep it eager too, with one
-    scratch row per running request (``recoverssm check`` applies every blocker)."""
-    return args.commit != "eager" and args.cache_mode != "align"
+    It does unless eager is asked for (in align mode too, where rows at a state block's
+    end still commit after sampling); b12x or a KV connector other than the plugin's keep
+    it eager, with one scratch row per running request (``recoverssm check`` applies
+    every blocker)."""
+    return bool(args.commit != "eager")
 
 
 def plan_config_from_args(args: argparse.Namespace) -> PlanConfig:

@@ -26,15 +26,16 @@ def fused_commit_blockers(dep: Deployment, *, own_connector: bool) -> list[str]:
     """Why the commit of ``dep`` cannot be fused into the next verify (empty: it can).
 
     The deferred records live in the step-row scratch until the request's next verify, so
-    nothing else may read the state in between: no prefix-cache block (cache mode
-    ``align``) and no export of a KV connector other than the plugin's (``own_connector``:
-    the connector is the plugin's, which commits a finished request's records before it
-    exports it). b12x has no fused verify, so it keeps the eager commit. Either runner
-    applies: V1 through the plugin's hook after sampling, V2 through vLLM's model state.
+    nothing else may read the state in between: no export of a KV connector other than
+    the plugin's (``own_connector``: the connector is the plugin's, which commits a
+    finished request's records before it exports it). With prefix caching (cache mode
+    ``align``, runner V2) the rows whose accepted tokens reach a state block's end, or
+    whose state moves to another block, still commit right after sampling
+    (:mod:`vllm_recoverssm.state.align_deferral`); the rest wait. b12x has no fused
+    verify, so it keeps the eager commit. Either runner applies: V1 through the plugin's
+    hook after sampling, V2 through vLLM's model state.
     """
     out: list[str] = []
-    if dep.cache_mode == "align":
-        out.append("prefix caching caches state blocks between steps")
     if dep.kv_connector is not None and not own_connector:
         out.append("a KV connector other than the plugin's may export the state between "
                    "steps")

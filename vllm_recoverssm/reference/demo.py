@@ -67,6 +67,8 @@ class DemoOptions:
     drafter: str = "oracle"
     acceptance: float = 0.7
     prefix_caching: bool = False
+    block_size: int | None = None
+    """Tokens per cached state block with prefix caching; default max(16, S+1)."""
     cuda_graph: bool | None = None
     seed: int = 0
     checkpoint: str | None = None
@@ -111,6 +113,14 @@ class DemoOptions:
             if value is not None and value < 1:
                 raise ValueError(f"argument '--{name.replace('_', '-')}': expected >= 1, got "
                                  f"{value}")
+        if self.block_size is not None:
+            if not self.prefix_caching:
+                raise ValueError("argument '--block-size': applies only with --prefix-caching")
+            if self.block_size < self.num_spec + 1:
+                raise ValueError(
+                    f"argument '--block-size': expected >= S+1 = {self.num_spec + 1} (one "
+                    f"step crosses at most one block's end), got {self.block_size}"
+                )
         if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or not (
             1 <= self.repeat <= MAX_REPEAT
         ):
@@ -143,6 +153,8 @@ class ModeReport:
     prefix_cache_hits: int
     prefix_cache_hit_tokens: int
     graph_steps: int
+    deferred_rows: int = 0
+    """Fused commit: decode rows whose records waited for the next verify (one run)."""
     decode_runs: list[float] = field(default_factory=list)
     """Decode tokens/s of each timed run, in run order."""
     run_seconds: list[float] = field(default_factory=list)
@@ -182,6 +194,8 @@ class DemoReport:
     checkpoint: str | None = None
     checkpoints: dict[str, CheckpointReport] = field(default_factory=dict)
     commit: str = ""
+    block_size: int | None = None
+    """Tokens per cached state block (None: no prefix caching)."""
 
     @property
     def ok(self) -> bool:
@@ -244,7 +258,8 @@ def _mode_report(runtime: SpecRuntime, mode: str) -> ModeReport:
             fused=runtime.config.fused),
         state_pool_bytes=pool_bytes, prefix_cache_hits=runtime.cache.stats.hits,
         prefix_cache_hit_tokens=runtime.cache.stats.hit_tokens,
-        graph_steps=s.graph_steps, decode_runs=[s.decode_tokens_per_second],
+        graph_steps=s.graph_steps, deferred_rows=s.deferred_rows,
+        decode_runs=[s.decode_tokens_per_second],
         run_seconds=[s.seconds],
     )
 
@@ -272,7 +287,7 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
     max_new = options.max_new_tokens or (64 if on_gpu else 32)
     S = options.num_spec
     longest = 64 if on_gpu else 40
-    block_size = max(16, S + 1)
+    block_size = options.block_size or max(16, S + 1)
     # With prefix caching the prompts share a two-block system prompt and run in two waves,
     # so that the second wave can resume from blocks the first one cached.
     shared = 2 * block_size if options.prefix_caching else 0
@@ -298,9 +313,11 @@ def run_demo(options: DemoOptions, progress: ProgressFn | None = None) -> DemoRe
         prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new,
         threads=torch.get_num_threads(), checkpoint=options.checkpoint,
         repeat=options.repeat, max_prefill_tokens=prefill_budget,
-        commit=("recovery commits inside the next step's verify (fused)"
-                if options.fused_commit and not options.prefix_caching else
-                "recovery commits after each step"),
+        block_size=block_size if options.prefix_caching else None,
+        commit=("recovery commits after each step" if not options.fused_commit else
+                "recovery commits inside the next step's verify (fused; rows that reach a "
+                "state block's end commit after their step)" if options.prefix_caching else
+                "recovery commits inside the next step's verify (fused)"),
     )
 
     def tracker(phase: str) -> Callable[[int, int], None]:

@@ -26,7 +26,7 @@ class Request:
       ``num_accepted - 1``, and the conv history sits at offset ``num_accepted - 1`` of
       column 0's window; with prefix caching ``boundary_slot`` receives block states.
 
-    With the fused commit (recovery without prefix caching) the accepted tokens of a step
+    With the fused commit (recovery's default) the accepted tokens of a step
     are committed inside the next step's verify: ``pending`` of them wait in record row
     ``pending_row`` of the scratch, and the conv history sits at offset ``pending - 1``.
 

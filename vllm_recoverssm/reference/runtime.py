@@ -8,8 +8,8 @@ Each :meth:`SpecRuntime.step` runs one forward pass over a flat batch: the decod
   plus the model's next token);
 * recovery mode commits exactly the accepted tokens' records into each checkpoint and
   moves the conv history to offset 0 (``ops.commit`` + ``ops.conv_compact`` with a commit
-  plan from :mod:`vllm_recoverssm.state`); with the fused commit (the default without
-  prefix caching) it only remembers them: the next step's ``ops.verify_fused`` commits
+  plan from :mod:`vllm_recoverssm.state`); with the fused commit (the default) it only
+  remembers them (with prefix caching, those of rows that stay inside their block): the next step's ``ops.verify_fused`` commits
   them into the checkpoint before verifying, in the same launch, and the next conv update
   reads the history where it lies; a request that finishes (a response boundary) is
   committed and compacted on its own first where a checkpoint store or a boundary hook
@@ -98,6 +98,8 @@ class RuntimeStats:
     checkpoint_seconds: float = 0.0
     prefill_tokens: int = 0
     boundaries_mid_step: int = 0
+    deferred_rows: int = 0
+    """Fused commit: decode rows whose records waited for the next verify."""
     seconds: float = 0.0
     decode_only_seconds: float = 0.0
     """Wall time of the steps that ran verify rows and no prompt rows, less the one that
@@ -576,7 +578,11 @@ class SpecRuntime:
             if self.config.debug_capture_before_commit:
                 self._capture_before_commit(rows)
             if self.config.fused:
-                self._defer_commit(rows, num_accepted)
+                keep = self._deferrable(rows, num_accepted)
+                if not all(keep):
+                    self._commit(rows, num_accepted, skip=keep,
+                                 record_base=self._parity * self.config.max_running)
+                self._defer_commit(rows, num_accepted, keep)
             else:
                 self._commit(rows, num_accepted)
         elif self.config.prefix_caching:
@@ -622,13 +628,28 @@ class SpecRuntime:
         shift = self.config.debug_commit_shift
         return [min(max(n + shift, 0), self.num_spec + 1) for n in num_accepted]
 
-    def _defer_commit(self, rows: list[DecodeRow], num_accepted: list[int]) -> None:
-        """Fused commit: the accepted records wait for the next step's verify."""
+    def _deferrable(self, rows: list[DecodeRow], num_accepted: list[int]) -> list[bool]:
+        """Fused commit: which rows' records may wait for the next verify. Without prefix
+        caching every row's; in align mode a row whose accepted tokens reach its block's
+        end (the block becomes a cached prefix) or whose step started a new block (verify
+        read the checkpoint from the completed block) commits now."""
+        if not self.config.prefix_caching:
+            return [True] * len(rows)
+        B = self.block_size
+        return [nc % B != 0 and nc + n < (nc // B + 1) * B
+                for nc, n in zip((d.request.num_computed for d in rows),
+                                 self._commit_counts(num_accepted), strict=True)]
+
+    def _defer_commit(self, rows: list[DecodeRow], num_accepted: list[int],
+                      keep: list[bool]) -> None:
+        """Fused commit: the accepted records of the rows ``keep`` names wait for the next
+        step's verify (the others were committed)."""
         base = self._parity * self.config.max_running
-        for i, (row, n) in enumerate(zip(rows, self._commit_counts(num_accepted),
-                                         strict=True)):
-            row.request.pending = int(n)
-            row.request.pending_row = base + i
+        for i, (row, n, k) in enumerate(zip(rows, self._commit_counts(num_accepted), keep,
+                                            strict=True)):
+            row.request.pending = int(n) if k else 0
+            row.request.pending_row = base + i if k else -1
+            self.stats.deferred_rows += k
         self._parity ^= 1
 
     def _flush(self, reqs: list[Request]) -> None:
@@ -644,7 +665,8 @@ class SpecRuntime:
         dev, backend = self.device, self.config.backend
         check = dev.type != "cuda"  # plans the runtime built itself (see _commit)
         plan = ops.CommitPlan(
-            state_indices=torch.tensor([r.run_slots[0] for r in reqs], dtype=INDEX, device=dev),
+            state_indices=torch.tensor([self.running_state_slot(r) for r in reqs], dtype=INDEX,
+                                       device=dev),
             commit_lens=torch.tensor([r.pending for r in reqs], dtype=INDEX, device=dev),
         )
         rows = torch.tensor([r.pending_row for r in reqs], dtype=INDEX, device=dev)
@@ -661,10 +683,16 @@ class SpecRuntime:
             r.pending = 0
             r.pending_row = -1
 
-    def _commit(self, rows: list[DecodeRow], num_accepted: list[int]) -> None:
-        """Recovery: replay the accepted records into the checkpoints, then compact conv."""
+    def _commit(self, rows: list[DecodeRow], num_accepted: list[int],
+                skip: list[bool] | None = None, record_base: int | None = None) -> None:
+        """Recovery: replay the accepted records into the checkpoints, then compact conv.
+
+        ``skip`` (align mode, fused commit): rows left null, whose records wait for the
+        next verify; ``record_base``: the records of row ``i`` sit in scratch row
+        ``record_base + i`` (default ``i``)."""
         S, dev = self.num_spec, self.device
         n = len(rows)
+        skipped = [False] * n if skip is None else skip
         # The runtime builds these plans itself; on a GPU the checks that read device
         # values would stall the host every step, elsewhere they keep the tests strict.
         check = dev.type != "cuda"
@@ -672,14 +700,19 @@ class SpecRuntime:
         query_lens = torch.full((n,), S + 1, dtype=INDEX, device=dev)
         if self.config.prefix_caching:
             width = max(len(d.column_row) for d in rows)
-            table = torch.tensor([d.column_row + [-1] * (width - len(d.column_row)) for d in rows],
+            # a skipped row gets a null table row: its plan row is null
+            table = torch.tensor([([-1] * width if k else d.column_row
+                                   + [-1] * (width - len(d.column_row)))
+                                  for d, k in zip(rows, skipped, strict=True)],
                                  dtype=INDEX, device=dev)
             computed = torch.tensor([d.request.num_computed for d in rows], dtype=INDEX,
                                     device=dev)
             plan = build_align_commit_plan(table, computed, query_lens, commit_counts,
                                            self.block_size, num_spec=S, validate=check)
             conv_plan = ops.CommitPlan(
-                state_indices=torch.tensor([d.conv for d in rows], dtype=INDEX, device=dev),
+                state_indices=torch.tensor([-1 if k else d.conv
+                                            for d, k in zip(rows, skipped, strict=True)],
+                                           dtype=INDEX, device=dev),
                 commit_lens=plan.commit_lens, final_indices=plan.final_indices,
                 boundary_indices=plan.boundary_indices, boundary_lens=plan.boundary_lens,
             )
@@ -692,9 +725,12 @@ class SpecRuntime:
         if self._commit_tables is None and dev.type == "cuda" and backend != "reference":
             self._commit_tables = ops.commit_tables(self.pools.states, self.pools.corrections,
                                                     self.pools.kgs)
+        records = None if record_base is None else torch.arange(
+            record_base, record_base + n, dtype=INDEX, device=dev)
         ops.commit(self.pools.states, self.pools.corrections, self.pools.kgs, self._A_log,
                    self._dt_bias, plan, lower_bound=self.model.config.lower_bound,
-                   backend=backend, validate=check, tables=self._commit_tables)
+                   record_indices=records, backend=backend, validate=check,
+                   tables=self._commit_tables)
         ops.conv_compact(self.pools.convs, conv_plan,
                          kernel_width=self.model.config.conv_kernel, backend=backend,
                          validate=check)

@@ -42,11 +42,13 @@ class RuntimeConfig:
     ``TRITON_INTERPRET=1``). ``checkpoint`` gives the runtime a checkpoint store (LMCache
     RAM or disk, built and checked when the runtime is built): every request looks it up on
     admission and is exported at the end of its prompt and of its response.
-    ``fused_commit`` (recovery without prefix caching) commits a step's accepted tokens
-    inside the next step's verify (:func:`vllm_recoverssm.ops.verify_fused`) and folds the
-    conv compaction into the next conv update's read offset; a request leaving the batch
-    or reaching a request boundary is committed on its own first. It needs a second row
-    of record scratch per request (the fused verify reads one and writes the other).
+    ``fused_commit`` (recovery) commits a step's accepted tokens inside the next step's
+    verify (:func:`vllm_recoverssm.ops.verify_fused`) and folds the conv compaction into
+    the next conv update's read offset; a request leaving the batch or reaching a request
+    boundary is committed on its own first. With prefix caching, a row whose accepted
+    tokens reach a block's end, or that starts a new block, commits right after the step
+    (the block becomes a cached prefix). It needs a second row of record scratch per
+    request (the fused verify reads one and writes the other).
     ``debug_commit_shift`` commits that many tokens more than accepted (recovery only) and
     ``debug_capture_before_commit`` reads the linear state of a response-boundary export
     before the step's commit (recovery with a checkpoint store only): deliberately wrong
@@ -124,8 +126,8 @@ class RuntimeConfig:
 
     @property
     def fused(self) -> bool:
-        """Whether steps commit inside the next verify (recovery, no prefix caching)."""
-        return self.mode == RECOVERY and self.fused_commit and not self.prefix_caching
+        """Whether steps commit inside the next verify (recovery)."""
+        return self.mode == RECOVERY and self.fused_commit
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:

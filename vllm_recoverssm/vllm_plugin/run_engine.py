@@ -123,6 +123,8 @@ class EngineReport(BaseModel):
     """Standalone commits of finished requests' records before the connector exported them."""
     load_settles: int = 0
     """Standalone commits of every pending record before the connector restored states."""
+    boundary_commits: int = 0
+    """Align mode: steps whose rows at a state block's end committed right after sampling."""
     outputs: list[list[int]]
     num_cached_tokens: list[int]
     drafts: int
@@ -325,6 +327,7 @@ def run(run: EngineRun) -> EngineReport:
         settles=counts.get("settles", 0), settles_skipped=counts.get("settles_skipped", 0),
         export_settles=counts.get("export_settles", 0),
         load_settles=counts.get("load_settles", 0),
+        boundary_commits=counts.get("boundary_commits", 0),
         recovery=recovery_enabled(llm.llm_engine.vllm_config), decision=[],
         outputs=[list(o.outputs[0].token_ids) for o in outs],
         num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],

@@ -16,10 +16,11 @@ commit and one conv compaction for all KDA layers of the KV-cache group, before 
 step (and before any request-boundary export) reads the state.
 
 With the commit fused (``additional_config["recoverssm_commit"]`` ``auto``, the default, or
-``fused``; no prefix caching, no KV connector but the plugin's own) the commit after
-sampling only records what is pending (:mod:`..worker.deferred_commit`); the
-builder of the next step settles it before the forward: rows verified again replay their
-records inside the fused verify, every other row is committed on its own. The checkpoint
+``fused``; no KV connector but the plugin's own) the commit after sampling only records
+what is pending (:mod:`..worker.deferred_commit`); runner V2's model state commits the
+rows of requests that left the batch before vLLM's preprocess, and the builder of the
+next step settles the rest before the forward: rows verified again replay their records
+inside the fused verify, every other row is committed on its own. The checkpoint
 connector commits a finished request's rows before it exports them, at the start of that
 step (:meth:`RecoveryCommitContext.settle_requests`).
 
@@ -32,7 +33,9 @@ block of the last accepted token and, when the accepted tokens cross a block bou
 the state at the boundary goes to the block that ends there, so it becomes a cacheable
 prefix block. The commit reads the checkpoint and the conv window from the slot verify
 used. vLLM's runner then moves its running-state column
-(``RecoverSSMPostprocessMetadata``).
+(``RecoverSSMPostprocessMetadata``). Under the fused commit only the rows that reach a
+block's end or leave the block verify read commit there; the others wait for their next
+verify in that block (:mod:`vllm_recoverssm.state.align_deferral`).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ import torch
 
 from ... import ops
 from ...ops.b12x_kda import B12xKdaRecovery
+from ...state.align_deferral import align_deferrable, align_step_may_commit, split_align_plan
 from ...state.commit_plan import build_align_commit_plan
 from .. import compat
 from ..config import fused_commit_enabled
@@ -238,6 +242,17 @@ class RecoveryCommitContext:
         if stale is not None:
             self.commit(*stale)
 
+    def settle_absent(self, keys: set[str] | None) -> None:
+        """Commit, on their own and now, the deferred rows of requests that are not among
+        ``keys`` (the requests of the step about to run; None: not known) (fused commit
+        only): vLLM may hand a finished request's state block to another request, whose
+        state it then copies in before the forward."""
+        if self.deferred is None:
+            return
+        due = self.deferred.absent_commit(keys)
+        if due is not None:
+            self.commit(*due)
+
     def settle_requests(self, keys: set[str]) -> None:
         """Commit, on their own and now, the deferred rows of requests ``keys`` (fused
         commit only): an export reads their states before the next step's build."""
@@ -277,6 +292,15 @@ class AlignCommitInfo:
     """Tokens whose state was committed before this step, per batch row."""
     block_size: int
     """Tokens per state block (vLLM's ``mamba_block_size``)."""
+    window: int = 1
+    """S+1: the most tokens a decode row is scheduled in one step."""
+    query_lens_cpu: torch.Tensor | None = None
+    """Tokens of each batch row this step, on the host."""
+    seq_lens_upper_cpu: torch.Tensor | None = None
+    """Upper bounds of each batch row's ``num_computed + query_len``, on the host (vLLM's
+    ``seq_lens_cpu_upper_bound``; None: not known)."""
+    overshoot: int = 0
+    """How far those bounds may exceed the true values (asynchronous scheduling: S)."""
 
 
 @dataclass
@@ -332,20 +356,20 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
         sampled = num_accepted_tokens.to(torch.int32)[rows]
         slots = self.spec_slots().contiguous()
         records = self.record_rows()
+        deferred = self.commit_context.deferred
         if self.align is None:
             commit_lens = torch.minimum(sampled.clamp(min=0), query_lens).contiguous()
-            deferred = self.commit_context.deferred
             if deferred is not None:
-                layers = self.commit_context.layers()
-                num_slots = int(layers[0].kv_cache[1].shape[0]) if layers else 0
-                keys = self.commit_context.request_keys(self.spec_request_rows_cpu,
-                                                        current=False)
-                deferred.defer(slots, commit_lens, records, num_slots, keys)
+                self._defer(slots, commit_lens, records)
                 return None
             plan = ops.CommitPlan(state_indices=slots, commit_lens=commit_lens)
             self.commit_context.commit(plan, records)
             return None
-        self.commit_context.commit(self.align_plan(rows, query_lens, sampled, slots), records)
+        plan = self.align_plan(rows, query_lens, sampled, slots)
+        if deferred is None:
+            self.commit_context.commit(plan, records)
+        else:
+            self._defer_align(plan, rows, slots, records)
         return RecoverSSMPostprocessMetadata(
             num_spec_decodes=n,
             request_indices=rows.to(torch.int32),
@@ -353,6 +377,38 @@ class RecoverKDAMetadata(GDNAttentionMetadata, RecoverSSMMetadata):
             num_computed_tokens=self.align.num_computed_tokens,
             block_size=self.align.block_size,
         )
+
+    def _defer(self, slots: torch.Tensor, commit_lens: torch.Tensor,
+               records: torch.Tensor) -> None:
+        """Leave ``commit_lens[i]`` records pending on slot ``slots[i]`` (fused commit)."""
+        context = self.commit_context
+        assert context is not None and context.deferred is not None
+        layers = context.layers()
+        num_slots = int(layers[0].kv_cache[1].shape[0]) if layers else 0
+        keys = context.request_keys(self.spec_request_rows_cpu, current=False)
+        context.deferred.defer(slots, commit_lens, records, num_slots, keys)
+
+    def _defer_align(self, plan: ops.CommitPlan, rows: torch.Tensor, slots: torch.Tensor,
+                     records: torch.Tensor) -> None:
+        """Fused commit in align mode: rows that reach a block's end or leave their block
+        commit now, the others wait for their next verify
+        (:mod:`vllm_recoverssm.state.align_deferral`)."""
+        info, context = self.align, self.commit_context
+        assert info is not None and context is not None and context.deferred is not None
+        keep = align_deferrable(plan, slots, info.num_computed_tokens[rows].to(torch.int32),
+                                info.window, info.block_size)
+        split = split_align_plan(plan, keep)
+        host_rows = self.spec_request_rows_cpu
+        upper = query = None
+        if host_rows is not None and info.query_lens_cpu is not None:
+            query = info.query_lens_cpu[host_rows]
+            if info.seq_lens_upper_cpu is not None:
+                upper = info.seq_lens_upper_cpu[host_rows]
+        if query is None or align_step_may_commit(upper, query, info.window, info.block_size,
+                                                  overshoot=info.overshoot):
+            context.commit(split.now, records)
+            context.deferred.boundary_commits += 1
+        self._defer(split.deferred_slots, split.deferred_lens, records)
 
     def align_plan(self, rows: torch.Tensor, query_lens: torch.Tensor,
                    sampled: torch.Tensor, slots: torch.Tensor) -> ops.CommitPlan:
@@ -390,6 +446,13 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
             if fused else None,
         )
         register_commit_context(self.commit_context)
+        spec = vllm_config.speculative_config
+        self.window = 1 + (int(spec.num_speculative_tokens) if spec is not None else 0)
+        """S+1: the most tokens a decode row is scheduled in one step."""
+        # asynchronous scheduling fills vLLM's host bounds as if every draft of the step in
+        # flight was accepted
+        asynchronous = vllm_config.scheduler_config.async_scheduling
+        self.overshoot = 0 if asynchronous is False else self.window - 1
         # Neutral accepted counts: the checkpoint never carries a speculative offset.
         self._ones = torch.ones(self.decode_cudagraph_max_bs, dtype=torch.int32,
                                 device=device)
@@ -458,10 +521,16 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         if spec is not None and getattr(self.kv_cache_spec, "mamba_cache_mode", "none") == "align":
             if common is None:
                 raise ValueError("align mode: narrow() needs the common attention metadata")
+            qsl_cpu = common.query_start_loc_cpu[: common.num_reqs + 1]
+            upper = getattr(common, "seq_lens_cpu_upper_bound", None)
             align = AlignCommitInfo(
                 block_table=common.block_table_tensor[: common.num_reqs],
                 num_computed_tokens=common.compute_num_computed_tokens(),
                 block_size=int(self.kv_cache_spec.block_size),
+                window=self.window,
+                query_lens_cpu=(qsl_cpu[1:] - qsl_cpu[:-1]).to(torch.int64),
+                seq_lens_upper_cpu=None if upper is None else upper[: common.num_reqs],
+                overshoot=self.overshoot,
             )
         return RecoverKDAMetadata(**values, commit_context=self.commit_context,
                                   spec_request_rows=rows, spec_request_rows_cpu=rows_cpu,

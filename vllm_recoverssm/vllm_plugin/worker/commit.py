@@ -65,7 +65,8 @@ def _groups(forward_context: dict[str, Any]) -> list[RecoveryCommitContext]:
 def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
     """The fused commit's step counts over the recovery groups of ``forward_context`` (a
     runner's layer table): ``deferred_commit_steps``, ``settles``, ``settles_skipped``,
-    ``export_settles``, ``load_settles`` (all 0 under the eager commit)."""
+    ``export_settles``, ``load_settles``, ``boundary_commits`` (all 0 under the eager
+    commit)."""
     tables = [c.deferred for c in _groups(forward_context) if c.deferred is not None]
     return {
         "deferred_commit_steps": sum(d.deferred_steps for d in tables),
@@ -73,6 +74,7 @@ def deferred_commit_counts(forward_context: dict[str, Any]) -> dict[str, int]:
         "settles_skipped": sum(d.settles_skipped for d in tables),
         "export_settles": sum(d.export_settles for d in tables),
         "load_settles": sum(d.load_settles for d in tables),
+        "boundary_commits": sum(d.boundary_commits for d in tables),
     }
 
 
@@ -81,6 +83,15 @@ def settle_requests(forward_context: dict[str, Any], request_ids: set[str]) -> N
     recovery group of ``forward_context``, before an export reads their states."""
     for context in _groups(forward_context):
         context.settle_requests(request_ids)
+
+
+def settle_absent(forward_context: dict[str, Any], request_ids: list[str | None]) -> None:
+    """Commit the pending records of requests not among ``request_ids`` (the step about to
+    run; fused commit) in every recovery group of ``forward_context``, before vLLM copies
+    states between blocks for that step (runner V2's align-mode pre-copy)."""
+    keys = {k for k in request_ids if k is not None}
+    for context in _groups(forward_context):
+        context.settle_absent(keys)
 
 
 def settle_pending(forward_context: dict[str, Any]) -> None:

@@ -5,8 +5,11 @@ slot remembers how many are pending and in which scratch row they sit. The next 
 verify of that slot replays them first (:func:`vllm_recoverssm.ops.verify_fused`), so the
 state is read once and written once per step, in one launch.
 
-Only the step right after a deferral can hold pending records, and its metadata build
-settles all of them before its forward runs:
+Only the step right after a deferral can hold pending records. Under runner V2 its model
+state first commits the rows of requests that left the batch (:meth:`absent_commit`),
+before vLLM's ``preprocess_state``: in align mode that call copies states into the blocks
+the step runs in, and a block a finished request left may be one of them. The step's
+metadata build then settles the rest before its forward runs:
 
 * slots that the new step verifies again take their pending counts into the fused verify
   (and the counts are cleared at once, so no later step can replay them twice);
@@ -33,6 +36,8 @@ half while the fused verify reads the previous step's from the other.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -76,6 +81,9 @@ class DeferredCommits:
         """Standalone commits of finished requests before their export (host count)."""
         self.load_settles = 0
         """Standalone commits of every deferred row before a restore (host count)."""
+        self.boundary_commits = 0
+        """Align mode: steps whose rows at a state block's end committed right after
+        sampling (host count)."""
 
     @property
     def scratch_rows(self) -> int:
@@ -130,6 +138,19 @@ class DeferredCommits:
         self.pending_lens.index_put_((at,), torch.where(live, 0, self.pending_lens[at]))
         return plan, records
 
+    def absent_commit(self, keys: set[str] | None) -> tuple[ops.CommitPlan, torch.Tensor] | None:
+        """The standalone commit of the deferred rows whose requests are not among
+        ``keys`` (the requests of the step about to run; None: not known, so every
+        deferred row), as ``(plan, record_rows)``; None when no such row can be pending.
+        Clears those rows' pending counts and drops their requests from the deferred step,
+        so the build's settle neither commits them again nor waits for them. Counts a
+        settle when it commits anything."""
+        due = self._commit_requests(
+            None if keys is None else (lambda k: k is not None and k not in keys))
+        if due is not None:
+            self.settles += 1
+        return due
+
     def request_commit(self, keys: set[str]) -> tuple[ops.CommitPlan, torch.Tensor] | None:
         """The standalone commit of the deferred rows of requests ``keys`` (an export is
         about to read their states), as ``(plan, record_rows)``; of every deferred row
@@ -137,12 +158,26 @@ class DeferredCommits:
         pending. Clears those rows' pending counts and drops their requests from the
         deferred step, so the next step's settle neither commits them again nor waits
         for them to be verified."""
+        if not keys:
+            return None
+        due = self._commit_requests(lambda k: k is not None and k in keys)
+        if due is not None:
+            self.export_settles += 1
+        return due
+
+    def _commit_requests(self, pick: Callable[[str | None], bool] | None
+                         ) -> tuple[ops.CommitPlan, torch.Tensor] | None:
+        """The standalone commit of the deferred rows whose request ``pick`` selects
+        (None, or requests not known to the host: every row); drops them from the
+        deferred step. None when no such row can be pending."""
         n = self._num_deferred
-        if n == 0 or not keys or self.pending_lens is None or self.pending_rows is None:
+        if n == 0 or self.pending_lens is None or self.pending_rows is None:
             return None
         old_keys = self._deferred_keys
-        picked = [True] * n if old_keys is None else [k is not None and k in keys
-                                                      for k in old_keys]
+        if pick is None or old_keys is None:
+            picked = [True] * n
+        else:
+            picked = [pick(k) for k in old_keys]
         if not any(picked):
             return None
         live = (self._deferred_slots[:n] >= 0) & torch.tensor(picked, dtype=torch.bool,
@@ -151,7 +186,6 @@ class DeferredCommits:
         if old_keys is not None:
             self._deferred_keys = [None if p else k
                                    for k, p in zip(old_keys, picked, strict=True)]
-        self.export_settles += 1
         return due
 
     def pending_commit(self) -> tuple[ops.CommitPlan, torch.Tensor] | None:

@@ -20,7 +20,7 @@ import torch
 
 from .. import compat
 from ..config import recovery_enabled
-from .commit import see_step, settle_pending
+from .commit import see_step, settle_absent, settle_pending
 
 MambaHybridModelState: Any = compat.MambaHybridModelState
 
@@ -72,6 +72,15 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         super().__init__(vllm_config, model, encoder_cache, device)
         if self.use_recovery and getattr(self, "recoverssm", None) is None:
             self.recoverssm = compat.RecoverSSMState()
+
+    def preprocess_state(self, input_batch: Any, *args: Any, **kwargs: Any) -> None:
+        """Commit the pending records of requests that left the batch, then vLLM's
+        preprocess (in align mode it copies states into the blocks this step runs in, and
+        a block a finished request left may be one of them)."""
+        if self.use_recovery:
+            settle_absent(compat.layer_table(self.vllm_config),
+                          compat.batch_request_ids(input_batch))
+        super().preprocess_state(input_batch, *args, **kwargs)
 
     def prepare_attn(self, input_batch: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """vLLM's attention metadata, after naming the batch's requests to the recovery
