@@ -33,6 +33,13 @@ CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_s
 """Four rows at a time and 32-token chunks: prompt chunks and verify rows share steps."""
 
 
+def tiny_layer_page(num_spec: int) -> int:
+    """Bytes of one KDA layer's page of the tiny GLM-5.3 (``write_tiny_glm53``): a bf16
+    conv history of 3 x 512 channels and ``Kc - 1 + S`` columns, and an FP32 state of 4
+    heads of 128 x 128. A state block of vLLM holds its three layers' pages."""
+    return 3 * 512 * (3 + num_spec) * 2 + 4 * 128 * 128 * 4
+
+
 def prompts(seed: int = 0, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     """Random token-id prompts (the tiny model's vocabulary is 512)."""
     rng = random.Random(seed)

@@ -26,6 +26,7 @@ from .engine import (
     prompts,
     run_engine,
     run_pair,
+    tiny_layer_page,
 )
 
 pytestmark = pytest.mark.vllm
@@ -113,7 +114,7 @@ def test_preemption_under_a_tiny_cache_budget_and_the_state_blocks_vllm_allocate
     """Room for two full-state requests; every running request preempted once."""
     num_spec = 3
     blocks = 2 * (num_spec + 1) + 1  # vLLM keeps block 0 as its null block
-    layer_page = 3 * 512 * (3 + num_spec) * 2 + 4 * 128 * 128 * 4  # conv + FP32 state
+    layer_page = tiny_layer_page(num_spec)
     budget = blocks * 3 * layer_page  # three KDA layers
     p = prompts()
     oracle = oracle_file(workdir / "oracle-preempt.json", p, continuations, 0.0)

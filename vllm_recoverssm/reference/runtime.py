@@ -9,8 +9,9 @@ Each :meth:`SpecRuntime.step` runs one forward pass over a flat batch: the decod
 * recovery mode commits exactly the accepted tokens' records into each checkpoint and
   moves the conv history to offset 0 (``ops.commit`` + ``ops.conv_compact`` with a commit
   plan from :mod:`vllm_recoverssm.state`); with the fused commit (the default) it only
-  remembers them (with prefix caching, those of rows that stay inside their block): the next step's ``ops.verify_fused`` commits
-  them into the checkpoint before verifying, in the same launch, and the next conv update
+  remembers them (with prefix caching, those of rows that stay inside their block): the
+  next step's ``ops.verify_fused`` commits them into the checkpoint before verifying, in
+  the same launch, and the next conv update
   reads the history where it lies; a request that finishes (a response boundary) is
   committed and compacted on its own first where a checkpoint store or a boundary hook
   reads its state (otherwise its last records are dropped with its slot). Full-state mode
