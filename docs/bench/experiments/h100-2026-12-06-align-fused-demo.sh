@@ -25,9 +25,6 @@ for S in 3 7; do
     flag=(); [ $commit = sep ] && flag=(--separate-commit)
     run b256-s$S-$commit --num-spec $S --requests 64 --repeat 3 --prefix-caching \
       --block-size 256 --max-prefill-tokens 1024 "${flag[@]}"
-    # 256 new tokens: every request's decode crosses the end of its third block
-    run b256-long-s$S-$commit --num-spec $S --requests 64 --repeat 3 --prefix-caching \
-      --block-size 256 --max-prefill-tokens 1024 --max-new-tokens 256 "${flag[@]}"
     run b64-s$S-$commit --num-spec $S --requests 64 --repeat 3 --prefix-caching \
       --block-size 64 "${flag[@]}"
     run b16-s$S-$commit --num-spec $S --requests 64 --repeat 3 --prefix-caching "${flag[@]}"
