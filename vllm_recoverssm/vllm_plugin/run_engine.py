@@ -124,7 +124,8 @@ class EngineReport(BaseModel):
     load_settles: int = 0
     """Standalone commits of every pending record before the connector restored states."""
     boundary_commits: int = 0
-    """Align mode: steps whose rows at a state block's end committed right after sampling."""
+    """Align mode: steps that launched the commit after sampling, since a row could have
+    reached a state block's end (the host's bound; the device commits only such rows)."""
     outputs: list[list[int]]
     num_cached_tokens: list[int]
     drafts: int

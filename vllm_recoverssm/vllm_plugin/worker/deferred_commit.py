@@ -82,8 +82,8 @@ class DeferredCommits:
         self.load_settles = 0
         """Standalone commits of every deferred row before a restore (host count)."""
         self.boundary_commits = 0
-        """Align mode: steps whose rows at a state block's end committed right after
-        sampling (host count)."""
+        """Align mode: steps that launched the commit after sampling, since a row could
+        have reached a state block's end (host count)."""
 
     @property
     def scratch_rows(self) -> int:
