@@ -160,6 +160,26 @@ def state_and_layers(build_config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     return make, layers, gen
 
 
+def fused_step(state_and_layers: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """A recovery model state whose group defers its commits (the fused commit), after
+    the verify of slots 3, 0 (null) and 5: ``(state, meta, context, layers, states before
+    the verify, the verify's inputs)``."""
+    from vllm_recoverssm.vllm_plugin.worker.commit import register_commit_context
+    from vllm_recoverssm.vllm_plugin.worker.deferred_commit import DeferredCommits
+
+    make, layers, gen = state_and_layers
+    state, meta = make(recovery=True)
+    context = meta.commit_context
+    context.deferred = DeferredCommits(4, torch.device("cpu"))
+    # the model state finds the recovery groups through vLLM's layer table
+    monkeypatch.setattr(state.vllm_config.compilation_config, "static_forward_context",
+                        context.forward_context)
+    register_commit_context(context)
+    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
+    inputs = spec_step(layers, [3, 0, 5], gen)
+    return state, meta, context, layers, pre, inputs
+
+
 class _Null:
     def __enter__(self) -> None:
         return None
@@ -223,19 +243,7 @@ def test_a_capture_under_the_fused_commit_sees_the_pending_records_committed(
 ) -> None:
     """Fused commit: the step's commit only defers its records, so before a capture hook
     reads the state the model state commits every pending record."""
-    from vllm_recoverssm.vllm_plugin.worker.commit import register_commit_context
-    from vllm_recoverssm.vllm_plugin.worker.deferred_commit import DeferredCommits
-
-    make, layers, gen = state_and_layers
-    state, meta = make(recovery=True)
-    context = meta.commit_context
-    context.deferred = DeferredCommits(4, torch.device("cpu"))
-    # the model state finds the recovery groups through vLLM's layer table
-    monkeypatch.setattr(state.vllm_config.compilation_config, "static_forward_context",
-                        context.forward_context)
-    register_commit_context(context)
-    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
-    inputs = spec_step(layers, [3, 0, 5], gen)
+    state, meta, context, layers, pre, inputs = fused_step(state_and_layers, monkeypatch)
     captured: list[dict[str, torch.Tensor]] = []
 
     def capture(step: Any) -> None:
@@ -439,18 +447,7 @@ def test_requests_that_left_the_batch_commit_before_vllms_preprocess(
     left the batch before vLLM's preprocess runs; the others stay pending."""
     from vllm.v1.worker.gpu.model_states import mamba_hybrid
 
-    from vllm_recoverssm.vllm_plugin.worker.commit import register_commit_context
-    from vllm_recoverssm.vllm_plugin.worker.deferred_commit import DeferredCommits
-
-    make, layers, gen = state_and_layers
-    state, meta = make(recovery=True)
-    context = meta.commit_context
-    context.deferred = DeferredCommits(4, torch.device("cpu"))
-    monkeypatch.setattr(state.vllm_config.compilation_config, "static_forward_context",
-                        context.forward_context)
-    register_commit_context(context)
-    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
-    inputs = spec_step(layers, [3, 0, 5], gen)
+    state, meta, context, layers, pre, inputs = fused_step(state_and_layers, monkeypatch)
     context.see_step(["a", "pad", "b"])
     meta.spec_request_rows_cpu = [0, 1, 2]
     num_sampled = torch.tensor([2, 4, 4], dtype=torch.int32)
