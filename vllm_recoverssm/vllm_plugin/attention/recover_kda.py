@@ -242,11 +242,11 @@ class RecoveryCommitContext:
         if stale is not None:
             self.commit(*stale)
 
-    def settle_absent(self, keys: set[str] | None) -> None:
+    def settle_absent(self, keys: set[str]) -> None:
         """Commit, on their own and now, the deferred rows of requests that are not among
-        ``keys`` (the requests of the step about to run; None: not known) (fused commit
-        only): vLLM may hand a finished request's state block to another request, whose
-        state it then copies in before the forward."""
+        ``keys`` (the requests of the step about to run; fused commit only): vLLM may hand
+        a finished request's state block to another request, whose state it then copies
+        in before the forward."""
         if self.deferred is None:
             return
         due = self.deferred.absent_commit(keys)

@@ -138,15 +138,14 @@ class DeferredCommits:
         self.pending_lens.index_put_((at,), torch.where(live, 0, self.pending_lens[at]))
         return plan, records
 
-    def absent_commit(self, keys: set[str] | None) -> tuple[ops.CommitPlan, torch.Tensor] | None:
+    def absent_commit(self, keys: set[str]) -> tuple[ops.CommitPlan, torch.Tensor] | None:
         """The standalone commit of the deferred rows whose requests are not among
-        ``keys`` (the requests of the step about to run; None: not known, so every
-        deferred row), as ``(plan, record_rows)``; None when no such row can be pending.
-        Clears those rows' pending counts and drops their requests from the deferred step,
-        so the build's settle neither commits them again nor waits for them. Counts a
-        settle when it commits anything."""
-        due = self._commit_requests(
-            None if keys is None else (lambda k: k is not None and k not in keys))
+        ``keys`` (the requests of the step about to run), as ``(plan, record_rows)``; of
+        every deferred row where the host does not know the rows' requests. None when no
+        such row can be pending. Clears those rows' pending counts and drops their
+        requests from the deferred step, so the build's settle neither commits them again
+        nor waits for them. Counts a settle when it commits anything."""
+        due = self._commit_requests(lambda k: k is not None and k not in keys)
         if due is not None:
             self.settles += 1
         return due
@@ -165,19 +164,16 @@ class DeferredCommits:
             self.export_settles += 1
         return due
 
-    def _commit_requests(self, pick: Callable[[str | None], bool] | None
+    def _commit_requests(self, pick: Callable[[str | None], bool]
                          ) -> tuple[ops.CommitPlan, torch.Tensor] | None:
         """The standalone commit of the deferred rows whose request ``pick`` selects
-        (None, or requests not known to the host: every row); drops them from the
+        (every row where the host does not know the requests); drops them from the
         deferred step. None when no such row can be pending."""
         n = self._num_deferred
         if n == 0 or self.pending_lens is None or self.pending_rows is None:
             return None
         old_keys = self._deferred_keys
-        if pick is None or old_keys is None:
-            picked = [True] * n
-        else:
-            picked = [pick(k) for k in old_keys]
+        picked = [True] * n if old_keys is None else [pick(k) for k in old_keys]
         if not any(picked):
             return None
         live = (self._deferred_slots[:n] >= 0) & torch.tensor(picked, dtype=torch.bool,
