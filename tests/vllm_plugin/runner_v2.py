@@ -14,7 +14,14 @@ n-gram drafting are Triton kernels. The CPU build's Triton has none, so this lau
 * drafts from the oracle file in place of V2's n-gram speculator, because V2 has no
   ``custom_class`` drafter (``VllmConfig._get_v2_model_runner_unsupported_features``).
   The engine gets ``method="ngram"``; the oracle then writes the draft tensor the n-gram
-  kernels would have written, for the same rows.
+  kernels would have written, for the same rows;
+* with ``ASYNC_SCHEDULING`` set to ``1`` in its environment, turns asynchronous scheduling
+  back on after vLLM's CPU platform turned it off (``platforms/cpu.py``: "not required on
+  CPU"). On a GPU vLLM schedules asynchronously by default with MTP, EAGLE or DFlash
+  drafting: it plans each step before the previous step's sampled tokens are known, so the
+  runner's host-side sequence lengths are upper bounds that count every draft in flight as
+  accepted. The scheduler (``AsyncScheduler`` with vLLM's batch queue) and the runner's
+  bounds are vLLM's own; none of that depends on the platform.
 
 Everything else (scheduler, runner V2, its model state and commit, the plugin) is vLLM's
 and ours, unchanged. It runs in a fresh process: the fork server has imported vLLM before
@@ -29,6 +36,8 @@ from typing import Any
 
 MODULE = "tests.vllm_plugin.runner_v2"
 ENVIRONMENT = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+ASYNC_SCHEDULING = "RECOVERSSM_TEST_ASYNC_SCHEDULING"
+"""Environment variable: ``1`` runs the engine with asynchronous scheduling (docstring)."""
 
 
 def _name_a_cpu_backend() -> None:
@@ -40,6 +49,20 @@ def _name_a_cpu_backend() -> None:
             return False
 
     backends.backends.setdefault("cpu", backends.Backend(compiler=None, driver=_Driver))
+
+
+def _schedule_asynchronously() -> None:
+    """Undo the CPU platform's ``async_scheduling = False`` (module docstring)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(  # type: ignore[method-assign,assignment]
+        check_and_update_config)
 
 
 def _oracle_drafts() -> None:
@@ -100,6 +123,8 @@ def main(argv: list[str]) -> int:
     """``python -m tests.vllm_plugin.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
     os.environ.update(ENVIRONMENT)
     _name_a_cpu_backend()
+    if os.environ.get(ASYNC_SCHEDULING) == "1":
+        _schedule_asynchronously()
     _oracle_drafts()
     _oracle_as_ngram()
     from vllm_recoverssm.vllm_plugin.run_engine import main as run_main

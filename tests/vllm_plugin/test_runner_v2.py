@@ -11,7 +11,9 @@ V2's n-gram speculator), and the greedy tokens must be those of a cold full-stat
   preempted once, and ``eager`` at S = 3; and vLLM's DFlash drafter, V2's own;
 * with prefix caching in align mode, through a second wave whose prompts hit the prefix
   cache: the default commit (fused, except for rows at a state block's end) and
-  ``eager``.
+  ``eager``;
+* with vLLM's asynchronous scheduling, its GPU default with MTP drafting: the default
+  commit at S = 7 with preemption, and with prefix caching in align mode.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .engine import (
     run_engine,
     tiny_layer_page,
 )
-from .runner_v2 import ENVIRONMENT, MODULE
+from .runner_v2 import ASYNC_SCHEDULING, ENVIRONMENT, MODULE
 
 pytestmark = pytest.mark.vllm
 
@@ -45,26 +47,34 @@ FUSED_LINE = "commit: fused into the next verify"
 ALIGN = {**CHUNKED, "enable_prefix_caching": True}
 
 
-def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False) -> EngineReport:
+def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False,
+           asynchronous: bool = False) -> EngineReport:
     """One engine under runner V2, in a fresh process.
 
     ``align``: with ``PYTHONOPTIMIZE``, because vLLM's align-mode state-index step asserts
     that its input lives on a CUDA device before it launches its Triton kernel
     (``MambaStateContext.compute_aligned_state_indices``); the kernel itself runs in the
-    interpreter on CPU tensors like every other.
+    interpreter on CPU tensors like every other. ``asynchronous``: with vLLM's
+    asynchronous scheduling, as on a GPU (:mod:`.runner_v2`).
     """
     env = dict(ENVIRONMENT)
     if align:
         env["PYTHONOPTIMIZE"] = "1"
-    return run_engine(spec, workdir, env, module=MODULE)
+    if asynchronous:
+        env[ASYNC_SCHEDULING] = "1"
+    report = run_engine(spec, workdir, env, module=MODULE)
+    assert report.async_scheduling is asynchronous
+    return report
 
 
-@pytest.mark.parametrize("num_spec, corrupt, preempt, commit", [
-    (3, 0.3, None, None), (7, 0.0, 6, "fused"), (3, 0.3, None, "eager"),
-], ids=["S3-half-default", "S7-all-preempted-fused", "S3-half-eager"])
+@pytest.mark.parametrize("num_spec, corrupt, preempt, commit, asynchronous", [
+    (3, 0.3, None, None, False), (7, 0.0, 6, "fused", False), (3, 0.3, None, "eager", False),
+    (7, 0.3, 6, None, True),
+], ids=["S3-half-default", "S7-all-preempted-fused", "S3-half-eager",
+        "S7-part-preempted-default-async"])
 def test_recovery_under_runner_v2_matches_full_states_token_for_token(
     cold_run: ColdRun, num_spec: int, corrupt: float, preempt: int | None,
-    commit: Literal["fused", "eager"] | None,
+    commit: Literal["fused", "eager"] | None, asynchronous: bool,
 ) -> None:
     p = prompts()
     oracle = oracle_file(cold_run.workdir / f"oracle-v2-{num_spec}-{corrupt}.json", p,
@@ -72,7 +82,8 @@ def test_recovery_under_runner_v2_matches_full_states_token_for_token(
     report = run_v2(EngineRun(model=cold_run.model, mode="on", commit=commit,
                               num_spec=num_spec, oracle=oracle, prompts=p,
                               max_tokens=MAX_TOKENS, engine=CHUNKED,
-                              preempt_after_steps=preempt), cold_run.workdir)
+                              preempt_after_steps=preempt), cold_run.workdir,
+                    asynchronous=asynchronous)
     assert report.recovery
     assert report.accepted_tokens > 0
     if corrupt == 0.0:
@@ -125,7 +136,10 @@ def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
     """Recovery and full states, each with vLLM's prefix caching (align mode), against a
     cold run without it: every token of both waves, with the second wave's prompts
     served partly from cached state blocks. The default (fused) commit runs in a tight
-    block pool (``TIGHT``) and with blocks of 64 tokens, the eager one as asked for."""
+    block pool (``TIGHT``), once more there with asynchronous scheduling (the host then
+    knows each row's length only up to the drafts in flight, and must launch the commit
+    after sampling wherever those could reach a block's end), and with blocks of 64
+    tokens; the eager one as asked for."""
     first, later = _waves()
     common: dict[str, Any] = dict(model=cold_run.model, num_spec=3, prompts=first,
                                   waves=later, max_tokens=MAX_TOKENS)
@@ -134,9 +148,11 @@ def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
     answers = [o for w in cold.waves for o in w.outputs]
     oracle = oracle_file(cold_run.workdir / "oracle-v2-align.json", asked, answers, 0.3)
     runs = {name: run_v2(EngineRun(mode=mode, oracle=oracle, engine=engine, commit=commit,
-                                   **common), cold_run.workdir, align=True)
+                                   **common), cold_run.workdir, align=True,
+                         asynchronous=name == "on-async")
             for name, mode, commit, engine in (
                 ("off", "off", None, ALIGN), ("on", "on", None, TIGHT),
+                ("on-async", "on", None, TIGHT),
                 ("on-64", "on", None, {**ALIGN, "mamba_block_size": 64}),
                 ("on-eager", "on", "eager", ALIGN))}
     for mode, run in runs.items():
@@ -147,7 +163,7 @@ def test_prefix_caching_in_align_mode_under_runner_v2_matches_a_cold_run(
         assert run.waves[1].local_hits > 0, (mode, run.waves[1].num_cached_tokens)
     assert runs["on"].waves[1].num_cached_tokens == runs["off"].waves[1].num_cached_tokens
     assert not runs["off"].recovery
-    for name in ("on", "on-64"):
+    for name in ("on", "on-async", "on-64"):
         run = runs[name]
         assert run.recovery and any(FUSED_LINE in line for line in run.commit_lines), name
         assert run.deferred_commit_steps > 0 and run.boundary_commits > 0, (name, run)

@@ -126,6 +126,9 @@ class EngineReport(BaseModel):
     boundary_commits: int = 0
     """Align mode: steps that launched the commit after sampling, since a row could have
     reached a state block's end (the host's bound; the device commits only such rows)."""
+    async_scheduling: bool = False
+    """Whether vLLM scheduled asynchronously: each step planned before the previous one's
+    sampled tokens were known (vLLM's GPU default with MTP, EAGLE or DFlash drafting)."""
     outputs: list[list[int]]
     num_cached_tokens: list[int]
     drafts: int
@@ -329,6 +332,7 @@ def run(run: EngineRun) -> EngineReport:
         export_settles=counts.get("export_settles", 0),
         load_settles=counts.get("load_settles", 0),
         boundary_commits=counts.get("boundary_commits", 0),
+        async_scheduling=llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True,
         recovery=recovery_enabled(llm.llm_engine.vllm_config), decision=[],
         outputs=[list(o.outputs[0].token_ids) for o in outs],
         num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],
