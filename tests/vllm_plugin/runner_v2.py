@@ -13,7 +13,8 @@ n-gram drafting are Triton kernels. The CPU build's Triton has none, so this lau
   compiled for: the interpreter runs kernels without a backend;
 * drafts from the oracle file in place of V2's n-gram speculator, because V2 has no
   ``custom_class`` drafter (``VllmConfig._get_v2_model_runner_unsupported_features``).
-  The engine gets ``method="ngram"``; the oracle then writes the draft tensor the n-gram
+  The engine gets ``method="ngram"`` (``"ngram_gpu"``, the same speculator, with
+  asynchronous scheduling); the oracle then writes the draft tensor the n-gram
   kernels would have written, for the same rows;
 * with ``ASYNC_SCHEDULING`` set to ``1`` in its environment, turns asynchronous scheduling
   back on after vLLM's CPU platform turned it off (``platforms/cpu.py``: "not required on
@@ -38,6 +39,8 @@ MODULE = "tests.vllm_plugin.runner_v2"
 ENVIRONMENT = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 ASYNC_SCHEDULING = "RECOVERSSM_TEST_ASYNC_SCHEDULING"
 """Environment variable: ``1`` runs the engine with asynchronous scheduling (docstring)."""
+ASYNC_LINE = "recoverssm tests: asynchronous scheduling turned on"
+"""Printed to stderr whenever the launchers set vLLM's config to schedule asynchronously."""
 
 
 def _name_a_cpu_backend() -> None:
@@ -52,7 +55,8 @@ def _name_a_cpu_backend() -> None:
 
 
 def _schedule_asynchronously() -> None:
-    """Undo the CPU platform's ``async_scheduling = False`` (module docstring)."""
+    """Undo the CPU platform's ``async_scheduling = False`` (module docstring), saying so
+    (``ASYNC_LINE``)."""
     from vllm.platforms.cpu import CpuPlatform
 
     original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
@@ -60,6 +64,7 @@ def _schedule_asynchronously() -> None:
     def check_and_update_config(cls: Any, vllm_config: Any) -> None:
         original(cls, vllm_config)
         vllm_config.scheduler_config.async_scheduling = True
+        print(ASYNC_LINE, file=sys.stderr, flush=True)
 
     CpuPlatform.check_and_update_config = classmethod(  # type: ignore[method-assign,assignment]
         check_and_update_config)
@@ -111,8 +116,11 @@ def _oracle_as_ngram() -> None:
         kwargs = original(run)
         spec = kwargs["speculative_config"]
         if spec.get("model") == CLASS_PATH:
+            # "ngram_gpu", the name vLLM accepts with asynchronous scheduling, is the same
+            # speculator under V2
+            method = "ngram_gpu" if os.environ.get(ASYNC_SCHEDULING) == "1" else "ngram"
             kwargs["speculative_config"] = {
-                "method": "ngram", "num_speculative_tokens": spec["num_speculative_tokens"],
+                "method": method, "num_speculative_tokens": spec["num_speculative_tokens"],
                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}
         return kwargs
 

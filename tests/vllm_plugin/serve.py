@@ -102,9 +102,11 @@ def metric_label(text: str, name: str, label: str) -> str:
 
 @contextmanager
 def vllm_serve(model: str, args: Sequence[str], log: Path,
-               env_overrides: dict[str, str] | None = None) -> Iterator[Server]:
+               env_overrides: dict[str, str] | None = None,
+               module: str = "vllm.entrypoints.cli.main") -> Iterator[Server]:
     """Run ``vllm serve model *args`` on a free loopback port until the block ends
-    (``env_overrides``: more environment for the server, e.g. the core OpenMP binds to)."""
+    (``env_overrides``: more environment for the server, e.g. the core OpenMP binds to;
+    ``module``: what ``python -m`` runs, vLLM's command line unless a launcher wraps it)."""
     port = free_port()
     env = engine_environment({**environment(), **(env_overrides or {})})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vllm serve's own engine process
@@ -112,7 +114,7 @@ def vllm_serve(model: str, args: Sequence[str], log: Path,
     # every file there: inherited from a process that ran vLLM before (vLLM sets it in
     # its own environment), it would mix other servers' counters into this one's.
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="prometheus-", dir=log.parent)
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+    command = [sys.executable, "-m", module, "serve", model,
                "--host", "127.0.0.1", "--port", str(port), *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -1,5 +1,11 @@
-"""``vllm serve`` with the plugin, over HTTP on loopback: ``--use-replayssm`` against
-``--no-use-replayssm`` on the tiny GLM-5.3, the same greedy tokens from /v1/completions."""
+"""``vllm serve`` with the plugin, over HTTP on loopback, on the tiny GLM-5.3:
+
+* ``--use-replayssm`` against ``--no-use-replayssm`` (vLLM's CPU defaults: runner V1, no
+  prefix caching), the same greedy tokens from /v1/completions;
+* the defaults a CUDA GPU gives (runner V2, asynchronous scheduling, prefix caching in
+  align mode; recovery chosen automatically, with the fused commit), every answer the
+  cold run's, the second time partly from vLLM's prefix cache (:mod:`.serve_v2`).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from vllm_recoverssm.vllm_plugin.run_engine import decision_lines
 from vllm_recoverssm.vllm_plugin.spec_decode.oracle import CLASS_PATH, CONFIG_KEY
 
 from .engine import MAX_TOKENS, ColdRun, oracle_file, prompts
+from .runner_v2 import ASYNC_LINE
 from .serve import metric_label, metric_value, vllm_serve
 
 pytestmark = pytest.mark.vllm
@@ -66,3 +73,47 @@ def test_vllm_serve_recovery_and_full_state_answer_the_same_tokens(
     assert len(on_lines) == len(off_lines) == 1
     assert "recovery: on [mode on]" in on_lines[0]
     assert "recovery: off" in off_lines[0] and "--no-use-replayssm" in off_lines[0]
+
+
+def test_vllm_serve_with_the_gpu_defaults_answers_the_cold_tokens(
+    tmp_path: Path, cold_run: ColdRun,
+) -> None:
+    """No recovery flag, prefix caching on, runner V2 and asynchronous scheduling: what
+    ``vllm serve`` of GLM-5.3 with MTP drafting runs on a CUDA GPU. Every prompt is asked
+    twice; the second time vLLM reads state blocks from its prefix cache."""
+    p = prompts()
+    oracle = oracle_file(tmp_path / "v2.json", p, cold_run.continuations, 0.3)
+    spec = {"method": "ngram_gpu", "num_speculative_tokens": S, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4}
+    args = [
+        "--load-format", LOAD_FORMAT, "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--enforce-eager", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
+        "--kv-cache-memory-bytes", str(64 << 20), "--enable-prefix-caching",
+        # vLLM's CPU platform resets an unset block size to 128 when the engine-core
+        # process re-validates the config, while the state blocks stay at 16 tokens; its
+        # scheduler then ends prompt chunks past state-block ends and the prefix cache
+        # serves blocks whose state was never written, in either mode
+        "--block-size", "16",
+        "--max-num-seqs", "4", "--enable-chunked-prefill", "--max-num-batched-tokens", "32",
+        "--speculative-config", json.dumps(spec),
+        "--additional-config", json.dumps({CONFIG_KEY: {"path": oracle}}),
+    ]
+    log = tmp_path / "serve-v2.log"
+    # PYTHONOPTIMIZE: vLLM's align-mode state-index step asserts a CUDA input (runner_v2)
+    with vllm_serve(cold_run.model, args, log, env_overrides={"PYTHONOPTIMIZE": "1"},
+                    module="tests.vllm_plugin.serve_v2") as srv:
+        first = srv.complete_all(p, MAX_TOKENS)
+        again = srv.complete_all(p, MAX_TOKENS)
+        text = srv.metrics()
+    assert first == cold_run.continuations
+    assert again == cold_run.continuations
+    # every block-aligned prompt prefix (16, 32, 48 and 80 tokens) hit the second time
+    assert metric_value(text, "vllm:prefix_cache_hits_total") == 176
+    drafted = metric_value(text, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric_value(text, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0.2 < accepted / drafted < 0.9, (accepted, drafted)
+    logged = log.read_text(errors="replace")
+    assert ASYNC_LINE in logged
+    decided = decision_lines(logged)
+    assert len(decided) == 1 and "recovery: on" in decided[0], decided
+    assert "commit: fused into the next verify" in logged
