@@ -23,6 +23,8 @@ from vllm_recoverssm.vllm_plugin.run_engine import (
 )
 from vllm_recoverssm.vllm_plugin.spec_decode.oracle import write_oracle
 
+from . import runner_v2
+
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +33,8 @@ PROMPT_LENGTHS = (5, 90, 17, 41, 3, 64)
 MAX_TOKENS = 24
 CHUNKED = dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=4)
 """Four rows at a time and 32-token chunks: prompt chunks and verify rows share steps."""
+FUSED_LINE = "commit: fused into the next verify"
+"""What the plugin logs when the default commit fuses into the next verify."""
 
 
 def tiny_layer_page(num_spec: int) -> int:
@@ -64,6 +68,26 @@ def run_engine(spec: EngineRun, workdir: Path, env: dict[str, str] | None = None
     entry point that runs it, see ``run_in_subprocess``)."""
     return run_in_subprocess(spec, workdir, env={**environment(), **(env or {})},
                              module=module)
+
+
+def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False,
+           asynchronous: bool = False) -> EngineReport:
+    """One engine under model runner V2 (:mod:`.runner_v2`), in a fresh process.
+
+    ``align``: with ``PYTHONOPTIMIZE``, because vLLM's align-mode state-index step asserts
+    that its input lives on a CUDA device before it launches its Triton kernel
+    (``MambaStateContext.compute_aligned_state_indices``); the kernel itself runs in the
+    interpreter on CPU tensors like every other. ``asynchronous``: with vLLM's
+    asynchronous scheduling, as on a GPU.
+    """
+    env = dict(runner_v2.ENVIRONMENT)
+    if align:
+        env["PYTHONOPTIMIZE"] = "1"
+    if asynchronous:
+        env[runner_v2.ASYNC_SCHEDULING] = "1"
+    report = run_engine(spec, workdir, env, module=runner_v2.MODULE)
+    assert report.async_scheduling is asynchronous
+    return report
 
 
 def side_by_side(jobs: Sequence[Callable[[dict[str, str]], T]]) -> list[T]:

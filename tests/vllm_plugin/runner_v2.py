@@ -127,13 +127,20 @@ def _oracle_as_ngram() -> None:
     run_engine.llm_kwargs = llm_kwargs  # type: ignore[assignment]
 
 
-def main(argv: list[str]) -> int:
-    """``python -m tests.vllm_plugin.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
+def prepare(asynchronous: bool) -> None:
+    """Make this process run runner V2 on the CPU with the oracle drafting, scheduling
+    asynchronously when ``asynchronous`` (module docstring); the engine's own arguments
+    stay the caller's."""
     os.environ.update(ENVIRONMENT)
     _name_a_cpu_backend()
-    if os.environ.get(ASYNC_SCHEDULING) == "1":
+    if asynchronous:
         _schedule_asynchronously()
     _oracle_drafts()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.vllm_plugin.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
+    prepare(asynchronous=os.environ.get(ASYNC_SCHEDULING) == "1")
     _oracle_as_ngram()
     from vllm_recoverssm.vllm_plugin.run_engine import main as run_main
 

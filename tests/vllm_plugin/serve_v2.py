@@ -17,20 +17,11 @@ and hold in both processes. Import it nowhere else: it changes the process's env
 
 from __future__ import annotations
 
-import os
 import sys
 
 from . import runner_v2
 
-
-def _prepare() -> None:
-    os.environ.update(runner_v2.ENVIRONMENT)
-    runner_v2._name_a_cpu_backend()
-    runner_v2._schedule_asynchronously()
-    runner_v2._oracle_drafts()
-
-
-_prepare()
+runner_v2.prepare(asynchronous=True)
 
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main

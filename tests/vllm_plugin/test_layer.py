@@ -18,6 +18,9 @@ from .tiny_glm import CONV_WIDTH, HEAD_DIM, LINEAR_HEADS
 
 S = 3
 _names = itertools.count()
+PROMPT_ROW_FIELDS = ("num_prefills", "num_prefill_tokens", "non_spec_query_start_loc",
+                     "non_spec_state_indices_tensor", "has_initial_state", "checkpoint")
+"""What vLLM's own forward reads for the prompt rows of a step with speculative rows."""
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +258,12 @@ def test_on_cuda_prompt_rows_go_to_vllms_kernels_with_a_two_tensor_page(
     build_config: Any, distributed: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where vLLM has KDA kernels the layer keeps them for the non-speculative rows: they
-    get metadata without speculative rows and vLLM's own two-tensor page."""
+    get metadata without speculative rows and vLLM's own two-tensor page. The prompt rows'
+    fields stay vLLM's, the internal prefill checkpoint among them: on an H100 or H200
+    vLLM's FlashKDA prefill writes a mid-chunk state block from it for the prefix cache,
+    indexed by the non-speculative rows in the order of their query starts."""
     from vllm.forward_context import get_forward_context, set_forward_context
+    from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointMetadata
 
     from vllm_recoverssm.vllm_plugin.attention.recover_kda import RecoverKDAMetadata
     from vllm_recoverssm.vllm_plugin.models.glm5next import kda as plugin_kda
@@ -266,11 +273,13 @@ def test_on_cuda_prompt_rows_go_to_vllms_kernels_with_a_two_tensor_page(
     layer.own_ops = False  # as on CUDA
     bind_pages(layer, cfg, 6)
     calls: list[Any] = []
+    prompt_fields: list[tuple[Any, ...]] = []
 
     def vllm_forward(self: Any, qkv: Any, g1: Any, beta: Any, out: Any) -> None:
         meta = get_forward_context().attn_metadata[self.prefix]
         conv, state = self.kv_cache  # vLLM's unpack of the page
         calls.append((meta.num_spec_decodes, meta.spec_state_indices_tensor, qkv.shape[0]))
+        prompt_fields.append(tuple(getattr(meta, f) for f in PROMPT_ROW_FIELDS))
         out.fill_(7)
 
     monkeypatch.setattr(plugin_kda, "_PARENT_FORWARD", vllm_forward)
@@ -293,11 +302,17 @@ def test_on_cuda_prompt_rows_go_to_vllms_kernels_with_a_two_tensor_page(
         non_spec_query_start_loc=torch.tensor([0, n_ns], dtype=torch.int32),
         non_spec_state_indices_tensor=torch.tensor([3], dtype=torch.int32),
         has_initial_state=torch.tensor([False]),
+        checkpoint=MambaPrefillCheckpointMetadata(
+            checkpoint_offsets=torch.tensor([n_ns - 1], dtype=torch.int32),
+            state_indices=torch.tensor([4], dtype=torch.int32)),
     )
     out = torch.zeros(1, T, h, d, dtype=torch.bfloat16)
     with set_forward_context({layer.prefix: meta}, cfg):
         layer._forward(qkv, g1, beta, out)
         assert get_forward_context().attn_metadata[layer.prefix] is meta  # restored
     assert calls == [(0, None, n_ns)]
+    (seen,) = prompt_fields  # the very objects vLLM's builder made, not copies
+    assert [f for f, v in zip(PROMPT_ROW_FIELDS, seen, strict=True)
+            if v is not getattr(meta, f)] == []
     assert bool((out[0, n_spec:] == 7).all())  # vLLM's rows
     assert not bool((out[0, :n_spec] == 7).any()) and out[0, :n_spec].abs().sum() > 0
