@@ -106,6 +106,14 @@ def _oracle_drafts() -> None:
     NgramGPUSpeculator.propose = propose  # type: ignore[method-assign]
 
 
+def oracle_speculative_config(num_spec: int, *, asynchronous: bool) -> dict[str, Any]:
+    """The speculative config an engine under this launcher gets for the oracle drafting:
+    V2's n-gram speculator, whose drafts :func:`_oracle_drafts` replaces. ``"ngram_gpu"``,
+    the name vLLM accepts with asynchronous scheduling, is the same speculator under V2."""
+    return {"method": "ngram_gpu" if asynchronous else "ngram",
+            "num_speculative_tokens": num_spec, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
 def _oracle_as_ngram() -> None:
     from vllm_recoverssm.vllm_plugin import run_engine
     from vllm_recoverssm.vllm_plugin.spec_decode.oracle import CLASS_PATH
@@ -116,12 +124,9 @@ def _oracle_as_ngram() -> None:
         kwargs = original(run)
         spec = kwargs["speculative_config"]
         if spec.get("model") == CLASS_PATH:
-            # "ngram_gpu", the name vLLM accepts with asynchronous scheduling, is the same
-            # speculator under V2
-            method = "ngram_gpu" if os.environ.get(ASYNC_SCHEDULING) == "1" else "ngram"
-            kwargs["speculative_config"] = {
-                "method": method, "num_speculative_tokens": spec["num_speculative_tokens"],
-                "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+            kwargs["speculative_config"] = oracle_speculative_config(
+                int(spec["num_speculative_tokens"]),
+                asynchronous=os.environ.get(ASYNC_SCHEDULING) == "1")
         return kwargs
 
     run_engine.llm_kwargs = llm_kwargs  # type: ignore[assignment]

@@ -18,8 +18,8 @@ from vllm_recoverssm.vllm_plugin.model_loader import LOAD_FORMAT
 from vllm_recoverssm.vllm_plugin.run_engine import decision_lines
 from vllm_recoverssm.vllm_plugin.spec_decode.oracle import CLASS_PATH, CONFIG_KEY
 
-from .engine import MAX_TOKENS, ColdRun, oracle_file, prompts
-from .runner_v2 import ASYNC_LINE
+from .engine import FUSED_LINE, MAX_TOKENS, ColdRun, oracle_file, prompts
+from .runner_v2 import ASYNC_LINE, oracle_speculative_config
 from .serve import metric_label, metric_value, vllm_serve
 
 pytestmark = pytest.mark.vllm
@@ -83,8 +83,7 @@ def test_vllm_serve_with_the_gpu_defaults_answers_the_cold_tokens(
     twice; the second time vLLM reads state blocks from its prefix cache."""
     p = prompts()
     oracle = oracle_file(tmp_path / "v2.json", p, cold_run.continuations, 0.3)
-    spec = {"method": "ngram_gpu", "num_speculative_tokens": S, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 4}
+    spec = oracle_speculative_config(S, asynchronous=True)
     args = [
         "--load-format", LOAD_FORMAT, "--skip-tokenizer-init", "--dtype", "bfloat16",
         "--enforce-eager", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
@@ -116,4 +115,4 @@ def test_vllm_serve_with_the_gpu_defaults_answers_the_cold_tokens(
     assert ASYNC_LINE in logged
     decided = decision_lines(logged)
     assert len(decided) == 1 and "recovery: on" in decided[0], decided
-    assert "commit: fused into the next verify" in logged
+    assert FUSED_LINE in logged
