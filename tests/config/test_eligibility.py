@@ -48,10 +48,13 @@ CONDITIONS = [
     ("num_spec", dict(num_spec=7), dict(num_spec=8), ["8 draft", "1..7"]),
     ("num_spec", dict(num_spec=1), dict(num_spec=0), ["0 draft"]),
     ("activation_dtype", dict(activation_dtype="bf16"), dict(activation_dtype="float16"),
-     ["float16", "bfloat16"]),
+     ["float16", "bfloat16 or float32"]),
+    ("activation_dtype", dict(activation_dtype="float32"), dict(activation_dtype="fp16"),
+     ["float16", "bfloat16 or float32"]),
     ("state_dtype", dict(state_dtype="auto"), dict(state_dtype="bfloat16"),
      ["bfloat16", "float32"]),
     ("head_dim", dict(head_dim=128), dict(head_dim=64), ["64", "128"]),
+    ("conv_width", dict(conv_width=4), dict(conv_width=3), ["3 wide", "width of 4"]),
     ("pipeline_parallel_size", dict(pipeline_parallel_size=1),
      dict(pipeline_parallel_size=2), ["2", "needs 1"]),
     ("model_runner", dict(model_runner="v1"), dict(model_runner="v1", cache_mode="align"),
@@ -112,17 +115,17 @@ def test_each_condition_both_ways(name, ok, bad, words):
 
 
 def test_forced_lists_every_failing_condition():
-    d = dep(architecture="X", spec_method="medusa", num_spec=9, activation_dtype="float32",
-            head_dim=64, pipeline_parallel_size=2, model_runner="v1", cache_mode="align",
-            gpu_capability=None, kernel_backend=None, kv_connector="pd")
+    d = dep(architecture="X", spec_method="medusa", num_spec=9, activation_dtype="float16",
+            head_dim=64, conv_width=2, pipeline_parallel_size=2, model_runner="v1",
+            cache_mode="align", gpu_capability=None, kernel_backend=None, kv_connector="pd")
     with pytest.raises(IneligibleError) as ei:
         decide(d, "on")
     names = [f.name for f in ei.value.failures]
     assert names == ["architecture", "spec_method", "num_spec", "activation_dtype",
-                     "head_dim", "pipeline_parallel_size", "model_runner", "gpu",
-                     "kernel_backend", "kv_connector"]
+                     "head_dim", "conv_width", "pipeline_parallel_size", "model_runner",
+                     "gpu", "kernel_backend", "kv_connector"]
     msg = str(ei.value)
-    assert "10 condition(s)" in msg
+    assert "11 condition(s)" in msg
     for n in names:
         assert n + ":" in msg
     assert "only an atomic request-boundary connector can export recovery state" in msg

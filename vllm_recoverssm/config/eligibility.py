@@ -10,9 +10,10 @@ architecture             GLM-5.3 (automatic), Kimi-Linear / Kimi-K3 or Qwen3-Nex
 spec_method              a linear-chain drafter: MTP, DFlash, EAGLE, n-gram, suffix or a
                          draft model (the target only sees a window and an accepted count)
 num_spec                 1..7 draft tokens (the verify window holds at most 8 tokens)
-activation_dtype         bfloat16 activations
+activation_dtype         bfloat16 or float32 activations (the CUDA verify has no float16)
 state_dtype              float32 recurrent state ("auto" resolves to float32 for KDA)
 head_dim                 128
+conv_width               4 (GLM-5.3's short conv; the conv kernels hold a window of 4)
 pipeline_parallel_size   1 (non-last PP ranks never run the commit)
 model_runner             V1 or V2; prefix caching (cache mode ``align``) needs V2, whose
                          runner moves the running-state block after the commit
@@ -52,6 +53,8 @@ KIMI_ARCHITECTURES: tuple[str, ...] = (
 )
 QWEN3_NEXT_ARCHITECTURES: tuple[str, ...] = ("Qwen3NextForCausalLM",)
 AUTO_ARCHITECTURES = GLM53_ARCHITECTURES
+RECOVERY_ACTIVATION_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
+"""Activation dtypes every recovery backend reads (the CUDA verify has no float16 build)."""
 OPT_IN_ARCHITECTURES = KIMI_ARCHITECTURES + QWEN3_NEXT_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = AUTO_ARCHITECTURES + OPT_IN_ARCHITECTURES
 
@@ -124,6 +127,7 @@ class Deployment(BaseModel):
     activation_dtype: ActivationDType = "bfloat16"
     state_dtype: StateDType = "auto"
     head_dim: int = Field(default=128, ge=1)
+    conv_width: int = Field(default=4, ge=1, description="short-conv kernel width (Kc)")
     pipeline_parallel_size: int = Field(default=1, ge=1)
     model_runner: ModelRunner = "v2"
     device: Device = "cuda"
@@ -246,14 +250,17 @@ def check_conditions(d: Deployment) -> list[Failure]:
     if method is not None and not MIN_NUM_SPEC <= d.num_spec <= MAX_NUM_SPEC:
         fail("num_spec", f"{d.num_spec} draft tokens per step; recovery needs "
              f"{MIN_NUM_SPEC}..{MAX_NUM_SPEC} (a verify window of at most 8 tokens)")
-    if d.activation_dtype != "bfloat16":
+    if d.activation_dtype not in RECOVERY_ACTIVATION_DTYPES:
         fail("activation_dtype", f"activations are {d.activation_dtype}; recovery needs "
-             "bfloat16")
+             + " or ".join(RECOVERY_ACTIVATION_DTYPES))
     if d.state_dtype not in ("float32", "auto"):
         fail("state_dtype", f"the recurrent state is {d.state_dtype}; recovery needs float32 "
              "(or auto, which is float32 for KDA)")
     if d.head_dim != 128:
         fail("head_dim", f"head dim is {d.head_dim}; recovery kernels need 128")
+    if d.conv_width != 4:
+        fail("conv_width", f"the short conv is {d.conv_width} wide; recovery's conv kernels "
+             "need GLM-5.3's width of 4")
     if d.pipeline_parallel_size != 1:
         fail("pipeline_parallel_size", f"pipeline parallel size is "
              f"{d.pipeline_parallel_size}; recovery needs 1 (non-last pipeline ranks never "

@@ -50,6 +50,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "eager_break_during_capture": (
         "vllm.compilation.breakable_cudagraph", "eager_break_during_capture"),
     "get_forward_context": ("vllm.forward_context", "get_forward_context"),
+    "MHCPreOp": ("vllm.model_executor.layers.mhc", "MHCPreOp"),
+    "MHCPostOp": ("vllm.model_executor.layers.mhc", "MHCPostOp"),
+    "MHCFusedPostPreOp": ("vllm.model_executor.layers.mhc", "MHCFusedPostPreOp"),
     # attention metadata
     "GDNAttentionBackend": ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionBackend"),
     "GDNAttentionMetadata": ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadata"),
@@ -190,6 +193,24 @@ def platform_has_kda_kernels() -> bool:
 
 
 # -- layers and model registration -----------------------------------------------------------
+
+def replace_method(cls: Any, name: str, replacement: Callable[..., Any]) -> None:
+    """Replace ``cls.name`` with ``replacement``, which takes the same parameters.
+
+    Raises :class:`UnsupportedVllmError` at start-up when vLLM's method is missing or its
+    parameters changed, instead of computing something else mid-request.
+    """
+    original = getattr(cls, name, None)
+    if original is None:
+        raise UnsupportedVllmError(f"vLLM's {cls.__name__} has no method {name}")
+    have = list(inspect.signature(original).parameters)
+    want = list(inspect.signature(replacement).parameters)
+    if have != want:
+        raise UnsupportedVllmError(
+            f"vLLM's {cls.__name__}.{name} takes ({', '.join(have)}); the plugin's "
+            f"replacement was written for ({', '.join(want)})")
+    setattr(cls, name, replacement)
+
 
 def register_model(architecture: str, target: str) -> None:
     """Register (or override) ``architecture`` with the class at ``"module:Class"``."""
@@ -493,7 +514,8 @@ def kv_allocation(llm: Any) -> dict[str, Any]:
     Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core lives in this process).
     Covers the KV-cache group(s) of the model's KDA layers: blocks, bytes, blocks one
     request reserves (``MambaSpec.max_memory_usage_bytes`` over its page), vLLM's maximum
-    concurrency, and the recovery record scratch the layers hold.
+    concurrency, and the recovery record scratch the layers hold, rank by rank (the
+    workers may run in processes of their own, as under tensor parallelism).
     """
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
@@ -509,15 +531,22 @@ def kv_allocation(llm: Any) -> dict[str, Any]:
     for group in kv_config.kv_cache_groups:
         spec = group.kv_cache_spec
         blocks = max(blocks, spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
-    scratch = 0
-    for layer in runner_forward_context(in_process_model_runner(core)).values():
-        records = getattr(layer, "recovery_records", None)
-        if callable(records) and getattr(layer, "use_recovery", False):
-            scratch += sum(int(t.nbytes) for t in records())
+    per_rank = [int(n) for n in llm.apply_model(recovery_scratch_bytes)]
     return dict(
         num_blocks=int(kv_config.num_blocks), allocated_bytes=allocated,
         bytes_per_block=per_block, blocks_per_request=int(blocks),
         state_bytes_per_request=per_block * int(blocks),
         max_concurrency=float(get_max_concurrency_for_kv_cache_config(vllm_config, kv_config)),
-        scratch_bytes=scratch,
+        scratch_bytes=per_rank[0], scratch_bytes_per_rank=per_rank,
     )
+
+
+def recovery_scratch_bytes(model: Any) -> int:
+    """Bytes of the recovery record scratch the KDA layers of ``model`` (one tensor
+    parallel rank's) hold; 0 with full states. Runs in each worker (``LLM.apply_model``)."""
+    total = 0
+    for module in model.modules():
+        records = getattr(module, "recovery_records", None)
+        if callable(records) and getattr(module, "use_recovery", False):
+            total += sum(int(t.nbytes) for t in records())
+    return total

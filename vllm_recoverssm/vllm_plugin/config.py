@@ -140,6 +140,15 @@ def _linear_head_dim(vllm_config: VllmConfig) -> int:
     return 0
 
 
+def _conv_width(vllm_config: VllmConfig) -> int:
+    text = vllm_config.model_config.hf_text_config
+    for name in ("linear_conv_kernel_dim", "short_conv_kernel_size"):
+        value = getattr(text, name, None)
+        if isinstance(value, int):
+            return value
+    return 4
+
+
 def deployment_from_vllm_config(
     vllm_config: VllmConfig, *, gpu_capability: tuple[int, int] | None | str = "detect"
 ) -> Deployment:
@@ -165,6 +174,7 @@ def deployment_from_vllm_config(
         "activation_dtype": str(vllm_config.model_config.dtype),
         "state_dtype": str(compat.kda_state_dtypes(vllm_config)[1]),
         "head_dim": _linear_head_dim(vllm_config),
+        "conv_width": _conv_width(vllm_config),
         "pipeline_parallel_size": vllm_config.parallel_config.pipeline_parallel_size,
         "model_runner": "v2" if vllm_config.use_v2_model_runner else "v1",
         "device": device,

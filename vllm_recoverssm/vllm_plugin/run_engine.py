@@ -71,6 +71,9 @@ class EngineRun(BaseModel):
         default_factory=list, max_length=64,
         description="more generate() calls in the same engine, after `prompts`")
     kv_transfer_config: dict[str, Any] | None = None
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20,
+        description="report the log-probabilities of this many best tokens at every step")
 
 
 class KVReport(BaseModel):
@@ -85,7 +88,9 @@ class KVReport(BaseModel):
     max_concurrency: float
     """vLLM's own figure for ``max_model_len``-token requests."""
     scratch_bytes: int
-    """The recovery record scratch of all layers (0 with full states)."""
+    """The recovery record scratch of all layers (0 with full states), rank 0's."""
+    scratch_bytes_per_rank: list[int] = Field(default_factory=list)
+    """The same for every tensor-parallel rank, sized by that rank's heads."""
 
 
 class WaveReport(BaseModel):
@@ -140,6 +145,9 @@ class EngineReport(BaseModel):
     kv: KVReport
     waves: list[WaveReport] = Field(default_factory=list)
     """Every ``generate`` call, the first included (runs with ``waves`` only)."""
+    logprobs: list[list[dict[int, float]]] = Field(default_factory=list)
+    """Per request and generated token, the best tokens' log-probabilities (runs with
+    ``logprobs`` only); the sampled token is always among them."""
     connector: dict[str, Any] | None = None
     """The request-boundary checkpoint connector's worker counters, when one is set."""
     checkpoints_flushed: bool | None = None
@@ -296,7 +304,8 @@ def run(run: EngineRun) -> EngineReport:
     if run.kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = run.kv_transfer_config
     llm: Any = LLM(**kwargs)
-    params = SamplingParams(max_tokens=run.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=run.max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=run.logprobs)
     start = time.perf_counter()
     outs = _generate(llm, run, params)
     seconds = time.perf_counter() - start
@@ -323,7 +332,8 @@ def run(run: EngineRun) -> EngineReport:
         flushed = flush_checkpoints(llm)
         connector = compat.kv_connector_worker_stats()
     core = compat.in_process_engine_core(llm)
-    counts = {} if core is None else deferred_commit_counts(
+    single_worker = core is not None and hasattr(core.model_executor, "driver_worker")
+    counts = {} if not single_worker else deferred_commit_counts(
         compat.runner_forward_context(compat.in_process_model_runner(core)))
     return EngineReport(
         vllm_version=compat.vllm_version(), mode=run.mode,
@@ -342,8 +352,14 @@ def run(run: EngineRun) -> EngineReport:
         preemptions=_metric(metrics, "vllm:num_preemptions"),
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), seconds=seconds,
         kv=KVReport(**compat.kv_allocation(llm)), waves=waves, connector=connector,
-        checkpoints_flushed=flushed,
+        checkpoints_flushed=flushed, logprobs=_logprobs(outs) if run.logprobs is not None
+        else [],
     )
+
+
+def _logprobs(outs: list[Any]) -> list[list[dict[int, float]]]:
+    return [[{int(t): float(lp.logprob) for t, lp in step.items()}
+             for step in (o.outputs[0].logprobs or [])] for o in outs]
 
 
 def _wave_report(prompts: list[list[int]], outs: list[Any], seconds: float,

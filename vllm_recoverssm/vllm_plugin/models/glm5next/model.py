@@ -6,7 +6,8 @@ and change nothing else:
 * ``get_model_state_cls`` hands vLLM's GPU model runner (V2) a model state that commits
   accepted state after sampling and only then runs request-boundary captures (runner V1
   commits through :mod:`...worker.commit`);
-* importing this module swaps the KDA layer (``PluggableLayer.register_oot``).
+* importing this module swaps the KDA layer (``PluggableLayer.register_oot``) and installs
+  the patches of :mod:`...patch` that apply on this platform.
 
 The state pages keep vLLM's own shapes (conv history + one FP32 state): the update
 records live in per-layer scratch buffers, not in the pages.
@@ -16,11 +17,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import compat
+from ... import compat, patch
+from ...config import plugin_logger
 from ...worker.model_state import RecoverMambaHybridModelState
 from .kda import register_layer
 
 register_layer()
+_PATCHES = patch.apply()
+if _PATCHES:
+    plugin_logger().info("patched vLLM (vllm_recoverssm.vllm_plugin.patch): %s",
+                         ", ".join(_PATCHES))
 
 _CAUSAL_LM: Any = compat.Glm5NextForCausalLM
 _CONDITIONAL: Any = compat.Glm5NextForConditionalGeneration

@@ -1,0 +1,122 @@
+"""vLLM's engine with the plugin against transformers' GLM-5.3-Flash: an oracle nobody here
+wrote.
+
+A tiny GLM-5.3-Flash is made and saved by transformers' own classes
+(:mod:`vllm_recoverssm.harness.hf_glm53`: ``Glm5NextForConditionalGeneration``, float32
+safetensors, a tokenizer); vLLM loads it with its default loader. transformers' greedy
+``generate`` (no speculation, its PyTorch KDA on the CPU) gives the reference tokens and
+log-probabilities; vLLM then decodes with speculation, recovery on and off, and every
+token and log-probability must agree with transformers'.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+from vllm_recoverssm.harness.hf_glm53 import TinyFlash, greedy_in_subprocess, make_in_subprocess
+from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
+
+from .engine import CHUNKED, oracle_file, run_engine, run_pair
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (7, 45, 19, 70)
+"""Two prompts longer than a 32-token chunk: prompt chunks share steps with verify rows."""
+LOGPROB_TOLERANCE = 1e-4
+"""Nats. Both sides compute in float32 with different summation orders (transformers'
+chunked KDA against the plugin's sequential one, fused against separate mHC steps); the
+differences seen are about 5e-6, a twentieth of this."""
+TOP = 5
+FLASH_ENGINE = {"load_format": "auto", "dtype": "float32", "skip_tokenizer_init": False,
+                "max_model_len": 512}
+"""vLLM's default loader and the checkpoint's tokenizer and processor, in float32."""
+
+
+def flash_prompts(shape: TinyFlash, seed: int = 1) -> list[list[int]]:
+    """Random prompts of plain-word token ids (below the multimodal markers)."""
+    rng = random.Random(seed)
+    top = min(shape.image_token_ids.values())
+    return [[rng.randrange(2, top) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The checkpoint, its prompts and transformers' greedy result on them."""
+    shape = TinyFlash()
+    root = tmp_path_factory.mktemp("hf-flash")
+    model = make_in_subprocess(root / "model", shape)
+    prompt_list = flash_prompts(shape)
+    reference = greedy_in_subprocess(model, prompt_list, NEW_TOKENS, root)
+    return {"model": str(model), "root": root, "prompts": prompt_list, "hf": reference}
+
+
+def worst_logprob_gap(hf: list[list[dict[int, float]]],
+                      engine: list[list[dict[int, float]]]) -> float:
+    """The largest log-probability difference over every step's tokens both list."""
+    worst = 0.0
+    for hf_steps, steps in zip(hf, engine, strict=True):
+        assert len(hf_steps) == len(steps)
+        for want, got in zip(hf_steps, steps, strict=True):
+            shared = set(want) & set(got)
+            assert shared, "no token among both sides' best"
+            worst = max(worst, *(abs(want[t] - got[t]) for t in shared))
+    return worst
+
+
+def test_speculative_decoding_matches_transformers_in_both_modes(flash: dict[str, Any]) -> None:
+    """Greedy tokens equal transformers' over 32 new tokens per prompt, recovery on == off
+    == transformers, with 30-90% of drafts accepted; log-probabilities within tolerance."""
+    hf = flash["hf"]
+    oracle = oracle_file(flash["root"] / "oracle.json", flash["prompts"], hf["outputs"], 0.4)
+    pair = run_pair(
+        flash["root"], model=flash["model"], num_spec=3, oracle=oracle,
+        prompts=flash["prompts"], max_tokens=NEW_TOKENS, logprobs=TOP,
+        engine={**FLASH_ENGINE, **CHUNKED},
+    )
+    assert pair.on.recovery and not pair.off.recovery
+    assert pair.on.outputs == hf["outputs"]
+    assert pair.off.outputs == hf["outputs"]
+    for report in (pair.on, pair.off):
+        assert 0.3 < report.acceptance < 0.9, report.acceptance
+        gap = worst_logprob_gap(hf["logprobs"], report.logprobs)
+        print(f"{report.mode}: acceptance {report.acceptance:.2f}, worst log-prob gap "
+              f"against transformers {gap:.3g} nats")
+        assert gap < LOGPROB_TOLERANCE
+
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+"""vLLM's CPU platform runs one worker process per rank."""
+
+
+def test_tensor_parallel_2_matches_transformers_and_tp1(flash: dict[str, Any]) -> None:
+    """At tensor parallel 2 (one KDA head per rank) both modes give transformers' tokens,
+    and each rank's state pages and record scratch hold half the heads of TP 1's."""
+    hf = flash["hf"]
+    oracle = oracle_file(flash["root"] / "oracle-tp.json", flash["prompts"], hf["outputs"], 0.4)
+    spec = dict(model=flash["model"], num_spec=3, oracle=oracle, prompts=flash["prompts"][:2],
+                max_tokens=NEW_TOKENS, logprobs=TOP)
+    engine = {**FLASH_ENGINE, **CHUNKED}
+    # Both ranks bind one core each, so the engines run one after the other.
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in sorted(
+        os.sched_getaffinity(0))[:2]) if len(os.sched_getaffinity(0)) >= 2 else "0|0"}
+    tp1 = run_engine(EngineRun(mode="on", engine=engine, **spec), flash["root"])
+    reports = {mode: run_engine(EngineRun(mode=mode, engine={**engine, **TP2}, **spec),
+                                flash["root"], env=bind) for mode in ("on", "off")}
+    on, off = reports["on"], reports["off"]
+    assert on.recovery and not off.recovery
+    assert on.outputs == off.outputs == tp1.outputs == hf["outputs"][:2]
+    for report in (on, off):
+        assert worst_logprob_gap(hf["logprobs"][:2], report.logprobs) < LOGPROB_TOLERANCE
+    # The state page of a block holds each layer's FP32 state of the rank's own heads.
+    state_per_head = 128 * 128 * 4
+    layers = TinyFlash().num_layers
+    assert tp1.kv.bytes_per_block - on.kv.bytes_per_block == layers * state_per_head + (
+        layers * 3 * 128 * (3 + 3) * 4)  # and a conv history of half the channels
+    assert len(on.kv.scratch_bytes_per_rank) == 2
+    assert on.kv.scratch_bytes_per_rank == [tp1.kv.scratch_bytes // 2] * 2
+    assert off.kv.scratch_bytes_per_rank == [0, 0]
