@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_recoverssm.harness.hf_glm53 import TinyFlash, greedy_in_subprocess, make_in_subprocess
-from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
+from vllm_recoverssm.harness.hf_glm53 import (
+    TinyFlash,
+    greedy_in_subprocess,
+    make_in_subprocess,
+    words,
+)
+from vllm_recoverssm.vllm_plugin.run_engine import EngineRun, ImagePrompt
 
+from .checkpoints import kv_config
 from .engine import CHUNKED, oracle_file, run_engine, run_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -120,3 +127,42 @@ def test_tensor_parallel_2_matches_transformers_and_tp1(flash: dict[str, Any]) -
     assert len(on.kv.scratch_bytes_per_rank) == 2
     assert on.kv.scratch_bytes_per_rank == [tp1.kv.scratch_bytes // 2] * 2
     assert off.kv.scratch_bytes_per_rank == [0, 0]
+
+
+IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
+"""vLLM's GLM-5.3 image placeholder; the processor expands ``<|image|>``."""
+
+
+def test_an_image_prompt_matches_transformers_and_is_never_exported(
+        flash: dict[str, Any]) -> None:
+    """A 56 x 56 image through the checkpoint's processor and vision tower: transformers'
+    tokens in both modes; with the checkpoint connector its request is neither exported
+    nor restored, while a text prompt beside it is."""
+    import numpy as np
+    from PIL import Image
+
+    root = flash["root"]
+    picture = root / "image.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray((rng.random((56, 56, 3)) * 255).astype("uint8")).save(picture)
+    text = f"{words(flash['prompts'][0][:5])} {IMAGE} {words(flash['prompts'][0][5:])}"
+    with_image = ImagePrompt(text=text, image=str(picture))
+    plain = flash["prompts"][1]
+    hf = greedy_in_subprocess(Path(flash["model"]),
+                              [{"text": text, "image": str(picture)}, plain], 16, root / "img")
+    assert hf["prompt_ids"][0].count(TinyFlash().image_token_ids["image_token_id"]) == 4
+    oracle = oracle_file(root / "oracle-img.json", hf["prompt_ids"], hf["outputs"], 0.4)
+    spec = dict(model=flash["model"], num_spec=3, oracle=oracle, max_tokens=16,
+                engine={**FLASH_ENGINE, **CHUNKED})
+    pair = run_pair(root, prompts=[with_image, plain], **spec)
+    assert pair.on.outputs == pair.off.outputs == hf["outputs"]
+    assert pair.on.acceptance > 0.3
+    ram = run_engine(EngineRun(mode="on", prompts=[with_image, plain],
+                               waves=[[with_image, plain]], kv_transfer_config=kv_config("ram"),
+                               **spec), root)
+    first, second = ram.waves
+    assert first.outputs == second.outputs == hf["outputs"]
+    assert first.prompts[0] == hf["prompt_ids"][0]
+    assert second.num_cached_tokens[0] == 0  # the image request: no bundle
+    assert second.num_cached_tokens[1] == len(plain) - 1  # the text prompt: restored
+    assert ram.connector is not None and ram.connector["restored"] == 1

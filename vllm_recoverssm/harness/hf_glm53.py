@@ -211,40 +211,88 @@ def make_checkpoint(directory: Path, shape: TinyFlash | None = None) -> Path:
     return directory
 
 
-def greedy(directory: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def _greedy_with_image(model: Any, processor: Any, prompt: dict[str, str],
+                       max_new_tokens: int) -> tuple[Any, list[Any]]:
+    """Greedy steps of an image prompt: its prompt ids and each step's logits.
+
+    ``generate`` re-scans the whole sequence for image tokens at every step when it
+    cannot cache, and stops once the model emits one of them; vLLM embeds generated
+    tokens as text. So the image features are merged into the prompt's embeddings once
+    and each greedy token's embedding is appended (the text model has no positions: NoPE,
+    no attention layer), as vLLM computes it.
+    """
+    import torch
+    from PIL import Image
+
+    with Image.open(prompt["image"]) as image:
+        inputs = processor(text=[prompt["text"]], images=[image.convert("RGB")],
+                           return_tensors="pt")
+    ids = inputs["input_ids"]
+    embed = model.get_input_embeddings()
+    features = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"],
+                                              return_dict=True)
+    image_embeds = torch.cat(list(features.pooler_output), dim=0)
+    embeds = embed(ids)
+    mask = (ids == model.config.image_token_id).unsqueeze(-1).expand_as(embeds)
+    embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+    step_logits = []
+    for _ in range(max_new_tokens):
+        logits = model(inputs_embeds=embeds, use_cache=False).logits[0, -1]
+        step_logits.append(logits)
+        token = logits.argmax().view(1, 1)
+        embeds = torch.cat([embeds, embed(token)], dim=1)
+    return ids, step_logits
+
+
+HFPrompt = Sequence[int] | dict[str, str]
+"""Token ids, or ``{"text": ..., "image": FILE}`` (through the checkpoint's processor)."""
+
+
+def greedy(directory: Path, prompts: Sequence[HFPrompt], max_new_tokens: int,
            top_logprobs: int = 5) -> dict[str, Any]:
     """transformers' greedy ``generate`` (no speculation, float32) on each prompt.
 
-    Returns ``{"outputs": [[token]...], "logprobs": [[{token: logprob}...]...],
-    "first_logits": [[float]...]}``: for every step the ``top_logprobs`` best tokens'
+    Returns ``{"prompt_ids": [[token]...], "outputs": [[token]...], "logprobs":
+    [[{token: logprob}...]...], "first_logits": [[float]...]}``: each prompt's token ids
+    (an image prompt's with its image tokens), for every step the ``top_logprobs`` best tokens'
     log-probabilities, and each prompt's full first-step logits. The model has no
     attention layer, so transformers' cache cannot tell its length; ``use_cache=False``
     recomputes the whole sequence at every step instead, which is exact.
     """
     hide_gpu_kernels()
     import torch
-    from transformers import Glm5NextForConditionalGeneration
+    from transformers import AutoProcessor, Glm5NextForConditionalGeneration
 
     model = Glm5NextForConditionalGeneration.from_pretrained(
         str(directory), dtype=torch.float32).eval()
-    outputs, logprobs, first = [], [], []
+    processor = None
+    prompt_ids, outputs, logprobs, first = [], [], [], []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([list(prompt)], dtype=torch.long)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 use_cache=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-            outputs.append(out.sequences[0, ids.shape[1]:].tolist())
+            if isinstance(prompt, dict):
+                processor = processor or AutoProcessor.from_pretrained(str(directory))
+                ids, step_logits = _greedy_with_image(model, processor, prompt,
+                                                      max_new_tokens)
+            else:
+                ids = torch.tensor([list(prompt)], dtype=torch.long)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     do_sample=False, max_new_tokens=max_new_tokens,
+                                     min_new_tokens=max_new_tokens, use_cache=False,
+                                     output_logits=True, return_dict_in_generate=True,
+                                     pad_token_id=0)
+                step_logits = [logits[0] for logits in out.logits]
+            prompt_ids.append(ids[0].tolist())
+            outputs.append([int(logits.argmax()) for logits in step_logits])
             steps = []
-            for logits in out.logits:
-                lp = torch.log_softmax(logits[0].float(), dim=-1)
+            for logits in step_logits:
+                lp = torch.log_softmax(logits.float(), dim=-1)
                 top = torch.topk(lp, top_logprobs)
                 steps.append({int(t): float(v) for t, v in zip(top.indices, top.values,
                                                                  strict=True)})
             logprobs.append(steps)
-            first.append(out.logits[0][0].float().tolist())
-    return {"outputs": outputs, "logprobs": logprobs, "first_logits": first}
+            first.append(step_logits[0].float().tolist())
+    return {"prompt_ids": prompt_ids, "outputs": outputs, "logprobs": logprobs,
+            "first_logits": first}
 
 
 MODULE = "vllm_recoverssm.harness.hf_glm53"
@@ -267,13 +315,14 @@ def make_in_subprocess(directory: Path, shape: TinyFlash | None = None,
     return directory
 
 
-def greedy_in_subprocess(directory: Path, prompts: Sequence[Sequence[int]],
+def greedy_in_subprocess(directory: Path, prompts: Sequence[HFPrompt],
                          max_new_tokens: int, workdir: Path,
                          timeout: float = 600) -> dict[str, Any]:
     """:func:`greedy` in a fresh process; its result."""
     workdir.mkdir(parents=True, exist_ok=True)
     request, result = workdir / "hf-request.json", workdir / "hf-result.json"
-    request.write_text(json.dumps({"prompts": [list(map(int, p)) for p in prompts],
+    request.write_text(json.dumps({"prompts": [p if isinstance(p, dict) else list(map(int, p))
+                                               for p in prompts],
                                    "max_new_tokens": int(max_new_tokens)}))
     _run_module(["greedy", str(directory), str(request), str(result)], timeout)
     out: dict[str, Any] = json.loads(result.read_text())
@@ -284,7 +333,8 @@ def greedy_in_subprocess(directory: Path, prompts: Sequence[Sequence[int]],
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m vllm_recoverssm.harness.hf_glm53 make DIR`` or ``greedy DIR REQUEST
-    RESULT`` (REQUEST: ``{"prompts": [[...]], "max_new_tokens": N}``)."""
+    RESULT`` (REQUEST: ``{"prompts": [...], "max_new_tokens": N}``, each prompt token ids
+    or ``{"text": ..., "image": FILE}``)."""
     parser = argparse.ArgumentParser(prog="python -m vllm_recoverssm.harness.hf_glm53")
     sub = parser.add_subparsers(dest="action", required=True)
     make = sub.add_parser("make")

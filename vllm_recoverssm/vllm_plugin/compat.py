@@ -194,22 +194,32 @@ def platform_has_kda_kernels() -> bool:
 
 # -- layers and model registration -----------------------------------------------------------
 
+def _replace(owner: Any, label: str, name: str, replacement: Callable[..., Any]) -> None:
+    original = getattr(owner, name, None)
+    if original is None:
+        raise UnsupportedVllmError(f"vLLM's {label} has no attribute {name}")
+    have = list(inspect.signature(original).parameters)
+    want = list(inspect.signature(replacement).parameters)
+    if have != want:
+        raise UnsupportedVllmError(
+            f"vLLM's {label}.{name} takes ({', '.join(have)}); the plugin's replacement "
+            f"was written for ({', '.join(want)})")
+    setattr(owner, name, replacement)
+
+
 def replace_method(cls: Any, name: str, replacement: Callable[..., Any]) -> None:
     """Replace ``cls.name`` with ``replacement``, which takes the same parameters.
 
     Raises :class:`UnsupportedVllmError` at start-up when vLLM's method is missing or its
     parameters changed, instead of computing something else mid-request.
     """
-    original = getattr(cls, name, None)
-    if original is None:
-        raise UnsupportedVllmError(f"vLLM's {cls.__name__} has no method {name}")
-    have = list(inspect.signature(original).parameters)
-    want = list(inspect.signature(replacement).parameters)
-    if have != want:
-        raise UnsupportedVllmError(
-            f"vLLM's {cls.__name__}.{name} takes ({', '.join(have)}); the plugin's "
-            f"replacement was written for ({', '.join(want)})")
-    setattr(cls, name, replacement)
+    _replace(cls, cls.__name__, name, replacement)
+
+
+def replace_module_function(module: str, name: str, replacement: Callable[..., Any]) -> None:
+    """Replace the function ``name`` of vLLM's module ``module`` with ``replacement``,
+    which takes the same parameters (checked as :func:`replace_method` does)."""
+    _replace(importlib.import_module(module), module, name, replacement)
 
 
 def register_model(architecture: str, target: str) -> None:

@@ -47,6 +47,19 @@ class FollowUp(BaseModel):
     extra: list[int] = Field(default_factory=list, max_length=65536)
 
 
+class ImagePrompt(BaseModel):
+    """A text prompt with one image: ``text`` holds the model's image placeholder."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1)
+    image: str = Field(min_length=1, description="an image file (PNG, JPEG, ...)")
+
+
+Prompt = list[int] | ImagePrompt
+"""Token ids, or a text prompt with an image."""
+
+
 class EngineRun(BaseModel):
     """One engine run: model, recovery mode, drafter, prompts and engine arguments."""
 
@@ -61,13 +74,13 @@ class EngineRun(BaseModel):
     oracle: str | None = Field(default=None, description="oracle file (drafter 'oracle')")
     draft_model: str | None = Field(default=None,
                                     description="DFlash draft model directory (drafter 'dflash')")
-    prompts: list[list[int]] = Field(min_length=1, max_length=4096)
+    prompts: list[Prompt] = Field(min_length=1, max_length=4096)
     max_tokens: int = Field(ge=1, le=65536)
     engine: dict[str, Any] = Field(default_factory=dict, description="more LLM(...) kwargs")
     preempt_after_steps: int | None = Field(
         default=None, ge=1,
         description="preempt every running request once, after this many engine steps")
-    waves: list[list[list[int] | FollowUp]] = Field(
+    waves: list[list[Prompt | FollowUp]] = Field(
         default_factory=list, max_length=64,
         description="more generate() calls in the same engine, after `prompts`")
     kv_transfer_config: dict[str, Any] | None = None
@@ -97,6 +110,7 @@ class WaveReport(BaseModel):
     """One ``generate`` call of a run."""
 
     prompts: list[list[int]]
+    """Each request's prompt token ids (an image prompt's with its image tokens)."""
     outputs: list[list[int]]
     num_cached_tokens: list[int]
     seconds: float
@@ -257,24 +271,38 @@ def _by_source(metrics: list[Any]) -> dict[str, int]:
     return out
 
 
-def resolve_prompts(wave: list[list[int] | FollowUp],
-                    done: list[tuple[list[list[int]], list[list[int]]]]) -> list[list[int]]:
-    """A wave's token-id prompts; a follow-up is its earlier request's prompt and output
-    plus its extra tokens."""
-    out = []
+def resolve_prompts(wave: list[Prompt | FollowUp],
+                    done: list[tuple[list[Prompt], list[list[int]]]]) -> list[Prompt]:
+    """A wave's prompts; a follow-up is its earlier request's prompt and output plus its
+    extra tokens (the earlier request must be a token-id prompt)."""
+    out: list[Prompt] = []
     for item in wave:
         if isinstance(item, FollowUp):
             w, i = item.after
             if not 0 <= w < len(done) or not 0 <= i < len(done[w][0]):
                 raise ValueError(f"follow-up of request {i} of wave {w}: no such request")
-            out.append(done[w][0][i] + done[w][1][i] + item.extra)
+            earlier = done[w][0][i]
+            if isinstance(earlier, ImagePrompt):
+                raise ValueError(f"follow-up of request {i} of wave {w}: an image prompt "
+                                 "cannot be followed up by token ids")
+            out.append(earlier + done[w][1][i] + item.extra)
         else:
-            out.append(list(item))
+            out.append(item)
     return out
 
 
+def _vllm_prompt(prompt: Prompt) -> dict[str, Any]:
+    if isinstance(prompt, ImagePrompt):
+        from PIL import Image
+
+        with Image.open(prompt.image) as image:
+            return {"prompt": prompt.text,
+                    "multi_modal_data": {"image": image.convert("RGB")}}
+    return {"prompt_token_ids": list(prompt)}
+
+
 def _generate(llm: Any, run: EngineRun, params: Any) -> list[Any]:
-    prompts = [{"prompt_token_ids": p} for p in run.prompts]
+    prompts = [_vllm_prompt(p) for p in run.prompts]
     if run.preempt_after_steps is None:
         return list(llm.generate(prompts, params, use_tqdm=False))
     engine = llm.llm_engine
@@ -312,17 +340,18 @@ def run(run: EngineRun) -> EngineReport:
     metrics = llm.get_metrics()
     waves: list[WaveReport] = []
     if run.waves:
-        waves.append(_wave_report([list(p) for p in run.prompts], outs, seconds, [], metrics))
-        done = [(waves[0].prompts, waves[0].outputs)]
+        waves.append(_wave_report(outs, seconds, [], metrics))
+        done: list[tuple[list[Prompt], list[list[int]]]] = [(list(run.prompts),
+                                                              waves[0].outputs)]
         for wave in run.waves:
             prompts = resolve_prompts(wave, done)
             before = metrics
             t0 = time.perf_counter()
-            wave_outs = list(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+            wave_outs = list(llm.generate([_vllm_prompt(p) for p in prompts], params,
                                           use_tqdm=False))
             took = time.perf_counter() - t0
             metrics = llm.get_metrics()
-            waves.append(_wave_report(prompts, wave_outs, took, before, metrics))
+            waves.append(_wave_report(wave_outs, took, before, metrics))
             done.append((prompts, waves[-1].outputs))
     connector = None
     flushed = None
@@ -362,12 +391,13 @@ def _logprobs(outs: list[Any]) -> list[list[dict[int, float]]]:
              for step in (o.outputs[0].logprobs or [])] for o in outs]
 
 
-def _wave_report(prompts: list[list[int]], outs: list[Any], seconds: float,
-                 before: list[Any], after: list[Any]) -> WaveReport:
+def _wave_report(outs: list[Any], seconds: float, before: list[Any],
+                 after: list[Any]) -> WaveReport:
     def delta(name: str) -> int:
         return _metric(after, name) - _metric(before, name)
 
     old = _by_source(before)
+    prompts = [list(o.prompt_token_ids) for o in outs]
     return WaveReport(
         prompts=prompts, outputs=[list(o.outputs[0].token_ids) for o in outs],
         num_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs], seconds=seconds,

@@ -88,7 +88,7 @@ def test_a_replacement_with_other_parameters_is_refused() -> None:
 
     with pytest.raises(compat.UnsupportedVllmError, match=r"takes \(self, x, y\)"):
         compat.replace_method(Op, "forward_cpu", wrong)
-    with pytest.raises(compat.UnsupportedVllmError, match="has no method forward_cuda"):
+    with pytest.raises(compat.UnsupportedVllmError, match="has no attribute forward_cuda"):
         compat.replace_method(Op, "forward_cuda", wrong)
     assert Op().forward_cpu(1, 2) == 3
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import mhc_cpu
+from . import mhc_cpu, vision_qk_norm_cpu
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,17 @@ REGISTER: tuple[Patch, ...] = (
         until="vLLM's CPU mHC ops apply norm_weight (then drop this patch)",
         applies=mhc_cpu.applies,
         install=mhc_cpu.install,
+    ),
+    Patch(
+        name="vision-qk-norm-cpu",
+        what=("the q/k RMSNorm of vLLM's GLM-5.3 vision attention "
+              "(vllm.models.glm5next.common.multimodal.fused_q_kv_rmsnorm)"),
+        why=("it is a Triton kernel with no CPU form, so an image prompt stops on the CPU "
+             "engine; the replacement computes the kernel's float32 row norm in PyTorch"),
+        versions="vLLM 0.32 and 0.33 on the CPU platform",
+        until="vLLM's fused q/k norm gets a CPU form (then drop this patch)",
+        applies=vision_qk_norm_cpu.applies,
+        install=vision_qk_norm_cpu.install,
     ),
 )
 
