@@ -13,6 +13,8 @@ three ``EngineArgs`` methods (it calls the originals; it does not replace their 
   config is built, the decision is taken, logged once, and a forced but ineligible
   deployment fails here, at start-up, listing every failing condition; so does a KV
   connector that cannot be correct for GLM-5.3 (:mod:`.distributed.kv_connector.startup`).
+  Where vLLM cannot give a GLM-5.3 checkpoint an MTP drafter, its error becomes one line
+  saying what to change (:mod:`.spec_decode.mtp`).
 
 The mode travels in ``additional_config["recoverssm"]``; from Python (``LLM(...)``) pass
 ``additional_config={"recoverssm": "off"}`` to opt out, since there ``use_replayssm=False``
@@ -33,6 +35,7 @@ from .config import (
     log_decision_once,
     requested_commit,
 )
+from .spec_decode import mtp
 
 FLAG_DEST = "use_replayssm"
 HELP_NOTE = (
@@ -153,7 +156,13 @@ def install() -> None:
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         apply_force_flag(self)
-        vllm_config = original_create(self, *args, **kwargs)
+        try:
+            vllm_config = original_create(self, *args, **kwargs)
+        except (NotImplementedError, AttributeError) as exc:
+            clear = mtp.explain(self, exc)
+            if clear is None:
+                raise
+            raise clear from exc
         check_at_startup(vllm_config)
         return vllm_config
 
