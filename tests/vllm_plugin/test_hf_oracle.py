@@ -100,6 +100,14 @@ TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 """vLLM's CPU platform runs one worker process per rank."""
 
 
+def tp_binding() -> dict[str, str]:
+    """Each rank's OpenMP threads on a core of their own (the same one on a one-core
+    machine); the engines then run one after the other."""
+    cores = sorted(os.sched_getaffinity(0))
+    pair = cores[:2] if len(cores) >= 2 else cores * 2
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in pair)}
+
+
 def test_tensor_parallel_2_matches_transformers_and_tp1(flash: dict[str, Any]) -> None:
     """At tensor parallel 2 (one KDA head per rank) both modes give transformers' tokens,
     and each rank's state pages and record scratch hold half the heads of TP 1's."""
@@ -108,12 +116,9 @@ def test_tensor_parallel_2_matches_transformers_and_tp1(flash: dict[str, Any]) -
     spec = dict(model=flash["model"], num_spec=3, oracle=oracle, prompts=flash["prompts"][:2],
                 max_tokens=NEW_TOKENS, logprobs=TOP)
     engine = {**FLASH_ENGINE, **CHUNKED}
-    # Both ranks bind one core each, so the engines run one after the other.
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in sorted(
-        os.sched_getaffinity(0))[:2]) if len(os.sched_getaffinity(0)) >= 2 else "0|0"}
     tp1 = run_engine(EngineRun(mode="on", engine=engine, **spec), flash["root"])
     reports = {mode: run_engine(EngineRun(mode=mode, engine={**engine, **TP2}, **spec),
-                                flash["root"], env=bind) for mode in ("on", "off")}
+                                flash["root"], env=tp_binding()) for mode in ("on", "off")}
     on, off = reports["on"], reports["off"]
     assert on.recovery and not off.recovery
     assert on.outputs == off.outputs == tp1.outputs == hf["outputs"][:2]
@@ -166,3 +171,48 @@ def test_an_image_prompt_matches_transformers_and_is_never_exported(
     assert second.num_cached_tokens[0] == 0  # the image request: no bundle
     assert second.num_cached_tokens[1] == len(plain) - 1  # the text prompt: restored
     assert ram.connector is not None and ram.connector["restored"] == 1
+
+
+def test_tensor_parallel_2_checkpoints_restore_per_rank_and_nowhere_else(
+        flash: dict[str, Any]) -> None:
+    """Request-boundary checkpoints on disk at tensor parallel 2: every rank stores its
+    part; a fresh TP 2 engine restores them; a TP 1 engine and a bundle with a rank's part
+    missing warn and compute cold. Every run gives transformers' tokens."""
+    hf = flash["hf"]
+    root = flash["root"]
+    store = root / "tp-store"
+    prompt_list = flash["prompts"][:2]
+    oracle = oracle_file(root / "oracle-tpc.json", prompt_list, hf["outputs"][:2], 0.4)
+    engine = {**FLASH_ENGINE, **CHUNKED}
+
+    def run(tp: int, tag: str) -> Any:
+        spec = EngineRun(mode="on", num_spec=3, oracle=oracle, model=flash["model"],
+                         prompts=prompt_list, max_tokens=NEW_TOKENS,
+                         engine={**engine, **(TP2 if tp == 2 else {})},
+                         kv_transfer_config=kv_config("disk", store))
+        report = run_engine(spec, root / tag, env=tp_binding() if tp == 2 else None)
+        assert report.outputs == hf["outputs"][:2], tag
+        return report
+
+    cold = run(2, "export")
+    assert [r is not None and r["exported"]["prompt"] >= 2 for r in cold.connector_per_rank] \
+        == [True, True]
+    exact = [len(p) - 1 for p in prompt_list]
+    warm = run(2, "restore")
+    assert warm.num_cached_tokens == exact
+    assert [r["restored"] for r in warm.connector_per_rank if r] == [2, 2]
+
+    tp1 = run(1, "tp1")
+    assert tp1.num_cached_tokens == [0, 0]
+    assert any("tensor parallel 2 (here 1)" in w for w in tp1.warnings), tp1.warnings
+
+    # Rank 1's part of the short prompt's bundle goes missing: a failed load, cold compute.
+    short = len(prompt_list[0]) - 1
+    parts = [f for f in store.iterdir() if f"@ntok%{short}@" in f.name and "@1@" in f.name]
+    assert parts, sorted(f.name for f in store.iterdir())[:5]
+    for part in parts:
+        part.unlink()
+    damaged = run(2, "missing")
+    assert damaged.num_cached_tokens == [0, exact[1]]
+    assert any(f"checkpoint of a {short}-token prefix failed to load" in w
+               for w in damaged.warnings), damaged.warnings

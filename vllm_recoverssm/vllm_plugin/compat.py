@@ -497,6 +497,12 @@ def kv_connector_worker_stats() -> dict[str, Any] | None:
     return stats.as_dict() if stats is not None else None
 
 
+def worker_connector_stats(worker: Any) -> dict[str, Any] | None:
+    """In a worker (``LLM.collective_rpc``): its rank's connector counters."""
+    del worker  # the connector is this process's, one per rank
+    return kv_connector_worker_stats()
+
+
 def in_process_engine_core(llm: Any) -> Any | None:
     """The engine core of an offline ``vllm.LLM`` when it runs in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); None when it runs in a process of its own."""

@@ -130,6 +130,9 @@ class EngineReport(BaseModel):
     recovery: bool
     decision: list[str]
     """The decision lines the plugin logged (filled from the process's log)."""
+    warnings: list[str] = Field(default_factory=list)
+    """Every warning line the engine's processes logged (filled from the log), at most
+    :data:`MAX_WARNINGS`."""
     commit_lines: list[str] = Field(default_factory=list)
     """The commit-mode lines the plugin logged (none when ``eager`` was asked for)."""
     deferred_commit_steps: int = 0
@@ -164,6 +167,8 @@ class EngineReport(BaseModel):
     ``logprobs`` only); the sampled token is always among them."""
     connector: dict[str, Any] | None = None
     """The request-boundary checkpoint connector's worker counters, when one is set."""
+    connector_per_rank: list[dict[str, Any] | None] = Field(default_factory=list)
+    """The same counters for every tensor-parallel rank (rank 0's are ``connector``)."""
     checkpoints_flushed: bool | None = None
     """With a connector: every export the last wave owed was written before the report."""
 
@@ -229,6 +234,7 @@ def llm_kwargs(run: EngineRun) -> dict[str, Any]:
 
 
 DECISION_MARK = "vllm-recoverssm: recovery:"
+MAX_WARNINGS = 200
 COMMIT_MARK = "vllm-recoverssm: commit:"
 
 
@@ -354,12 +360,14 @@ def run(run: EngineRun) -> EngineReport:
             waves.append(_wave_report(wave_outs, took, before, metrics))
             done.append((prompts, waves[-1].outputs))
     connector = None
+    connector_per_rank: list[dict[str, Any] | None] = []
     flushed = None
     if run.kv_transfer_config is not None:
         from .distributed.kv_connector.flush import flush_checkpoints
 
         flushed = flush_checkpoints(llm)
-        connector = compat.kv_connector_worker_stats()
+        connector_per_rank = list(llm.collective_rpc(compat.worker_connector_stats))
+        connector = connector_per_rank[0]
     core = compat.in_process_engine_core(llm)
     single_worker = core is not None and hasattr(core.model_executor, "driver_worker")
     counts = {} if not single_worker else deferred_commit_counts(
@@ -381,8 +389,8 @@ def run(run: EngineRun) -> EngineReport:
         preemptions=_metric(metrics, "vllm:num_preemptions"),
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), seconds=seconds,
         kv=KVReport(**compat.kv_allocation(llm)), waves=waves, connector=connector,
-        checkpoints_flushed=flushed, logprobs=_logprobs(outs) if run.logprobs is not None
-        else [],
+        checkpoints_flushed=flushed, connector_per_rank=connector_per_rank,
+        logprobs=_logprobs(outs) if run.logprobs is not None else [],
     )
 
 
@@ -437,6 +445,8 @@ def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
         raise RuntimeError(f"engine run failed (exit {code}):\n{tail}")
     report = EngineReport.model_validate_json(report_path.read_text())
     report.decision = decision_lines(log)
+    report.warnings = [line for line in log.splitlines() if " WARNING " in line][
+        -MAX_WARNINGS:]
     report.commit_lines = [line[line.find(COMMIT_MARK):] for line in log.splitlines()
                            if COMMIT_MARK in line]
     return report

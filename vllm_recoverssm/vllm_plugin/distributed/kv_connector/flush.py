@@ -5,7 +5,8 @@ the request ended (vLLM keeps the blocks for the connector until then). ``vllm s
 steps on by itself while such requests remain; an offline ``LLM`` whose engine core runs
 in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) only steps inside
 ``generate``, so the responses of the requests that finished in the last step would never
-be exported. :func:`flush_checkpoints` takes those steps and waits for the writes.
+be exported. :func:`flush_checkpoints` takes those steps and waits for the writes of every
+rank (each worker process's connector, under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ def flush_checkpoints(llm: Any, timeout: float = 60.0) -> bool:
             return False
         llm.llm_engine.step()
         steps += 1
-    worker = compat.kv_connector_worker()
-    writer = getattr(worker, "writer", None)
-    written = writer is None or writer.wait_idle(max(0.0, deadline - time.monotonic()))
+    remaining = max(0.0, deadline - time.monotonic())
+    written = all(llm.collective_rpc(writes_finished, args=(remaining,)))
     return written and not compat.engine_has_connector_work(core)
+
+
+def writes_finished(worker: Any, timeout: float) -> bool:
+    """In a worker (``LLM.collective_rpc``): wait up to ``timeout`` seconds until this
+    rank's queued bundles are written; True when they are (or no connector runs here)."""
+    del worker  # the connector is this process's, one per rank
+    writer = getattr(compat.kv_connector_worker(), "writer", None)
+    return writer is None or bool(writer.wait_idle(timeout))

@@ -11,14 +11,21 @@ clean-up leaves this directory alone (it touches only names the store writes).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from .keys import LOGGER, BundleKey
 
 INDEX_DIR = "recoverssm-index"
+LAYOUT_FILE = "layout.json"
+"""Beside one identity's entries: the layout it names (what a store's reader shows)."""
+MAX_LAYOUT_BYTES = 64 << 10
+MAX_IDENTITIES = 256
+"""At most this many other identities' layouts are read at start-up."""
 MAX_ENTRIES = 1_000_000
 """At most this many entries are read per identity at start-up."""
 _ENTRY = re.compile(r"^(?P<k>[1-9][0-9]{0,11})-(?P<digest>[0-9a-f]{64})$")
@@ -43,6 +50,47 @@ def add_entry(root: Path, identity_digest: str, key: BundleKey) -> None:
     # from redirecting the create.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     os.close(fd)
+
+
+def write_layout(root: Path, identity_digest: str, layout: dict[str, Any]) -> None:
+    """Record the layout one identity's entries belong to (written once, atomically)."""
+    folder = identity_dir(root, identity_digest)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LAYOUT_FILE
+    if path.exists():
+        return
+    tmp = folder / f".{LAYOUT_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(layout, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def other_layouts(root: Path, own: set[str]) -> list[dict[str, Any]]:
+    """The recorded layouts of the identities in the store other than ``own`` (at most
+    :data:`MAX_IDENTITIES`); unreadable or oversized ones are skipped."""
+    out: list[dict[str, Any]] = []
+    try:
+        with os.scandir(root / INDEX_DIR) as it:
+            for entry in it:
+                if len(out) >= MAX_IDENTITIES:
+                    break
+                if entry.name in own or not _IDENTITY.match(entry.name):
+                    continue
+                layout = _read_layout(Path(entry.path) / LAYOUT_FILE)
+                if layout is not None:
+                    out.append(layout)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _read_layout(path: Path) -> dict[str, Any] | None:
+    try:
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > MAX_LAYOUT_BYTES:
+            return None
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def remove_entry(root: Path, identity_digest: str, key: BundleKey) -> None:

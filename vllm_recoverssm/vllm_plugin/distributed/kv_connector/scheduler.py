@@ -31,7 +31,7 @@ from ....checkpoint.identity import prefix_digests
 from ... import compat
 from ...config import recovery_enabled
 from .identity import layout_identity
-from .index import read_entries, remove_entry
+from .index import other_layouts, read_entries, remove_entry
 from .keys import LOGGER, BundleKey
 from .metadata import (
     BlockIds,
@@ -53,6 +53,37 @@ WAIT_SECONDS = 10.0
 
 def _block_ids(ids: Any) -> BlockIds:
     return tuple(tuple(int(b) for b in group) for group in ids)
+
+
+_LAYOUT_FIELDS = {"tp_size": "tensor parallel {}", "num_speculative_tokens": "S = {}",
+                  "mode": "mode {}", "layout_version": "page layout v{}"}
+_EXTRA_FIELDS = {"vllm": "vLLM {}", "weights": "other weights", "vocab": "another vocabulary",
+                 "kv_groups": "other KV-cache pages"}
+
+
+def foreign_layouts(own: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
+    """How each other layout of the same model and revision differs from ``own``, in
+    words (``"tensor parallel 2 (here 1)"``); one line per distinct difference."""
+    out: list[str] = []
+    for other in others:
+        if (other.get("model"), other.get("revision")) != (own["model"], own["revision"]):
+            continue
+        diffs = [f"{text.format(other.get(field))} (here {own[field]})"
+                 for field, text in _LAYOUT_FIELDS.items() if other.get(field) != own[field]]
+        if other.get("dtypes") != own["dtypes"]:
+            diffs.append("other dtypes")
+        found = other.get("extra")
+        extra: dict[str, Any] = found if isinstance(found, dict) else {}
+        for field, text in _EXTRA_FIELDS.items():
+            if field == "kv_groups" and other.get("tp_size") != own["tp_size"]:
+                continue  # other ranks hold other heads: their pages differ anyway
+            if extra.get(field) != own["extra"].get(field):
+                diffs.append(text.format(extra.get(field)) + (
+                    f" (here {own['extra'].get(field)})" if "{}" in text else ""))
+        line = ", ".join(diffs)
+        if line and line not in out:
+            out.append(line)
+    return out
 
 
 class SchedulerSide:
@@ -97,6 +128,14 @@ class SchedulerSide:
             if complete:
                 logger.info("checkpoint store %s: %d complete bundle(s) listed",
                             settings.path, complete)
+            own = layout_identity(vllm_config, kv_cache_config, 0, self.tp_size,
+                                  self.recovery).model_dump()
+            foreign = foreign_layouts(own, other_layouts(settings.path, set(self._identities)))
+            if foreign:
+                logger.warning(
+                    "checkpoint store %s holds bundles of this model written for another "
+                    "layout (%s); they are never restored here, so those prompts are "
+                    "computed cold", settings.path, "; ".join(foreign))
 
     # -- the index --------------------------------------------------------------------------
     def _known(self, key: BundleKey) -> bool:

@@ -41,7 +41,7 @@ from ...worker.commit import (
 )
 from . import taps
 from .identity import layout_identity
-from .index import add_entry
+from .index import add_entry, write_layout
 from .keys import LOGGER, BundleKey
 from .metadata import (
     Capture,
@@ -110,6 +110,9 @@ class WorkerSide:
         self.store = CheckpointStore(settings.checkpoint_config(), self.identity)
         self.writer = BundleWriter(
             self.store, self._list_published if settings.backend == "disk" else None)
+        if settings.backend == "disk":
+            assert settings.path is not None
+            write_layout(settings.path, self._identity_digest, self.identity.model_dump())
         self.layout: PageLayout | None = None
         self.stats = WorkerStats()
         self._layers = compat.layer_table(vllm_config)
