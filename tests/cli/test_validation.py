@@ -31,12 +31,13 @@ BASE = {
     "kernel-resources": ["--no-progress"],
     "bench": ["--smoke"],
     "checkpoints gc": [],
+    "oracle": [],
 }
 RUNS_FULLY = {"plan", "check"}  # cheap enough to run main() on every fuzzed value
 MODULES = {
     "plan": "plan", "check": "check", "demo": "demo", "kernel-check": "kernel_check",
     "kernel-resources": "kernel_resources",
-    "bench": "bench", "checkpoints gc": "checkpoints",
+    "bench": "bench", "checkpoints gc": "checkpoints", "oracle": "oracle",
 }
 
 

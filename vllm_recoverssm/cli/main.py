@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "vllm_recoverssm.cli.plan",
     "vllm_recoverssm.cli.check",
     "vllm_recoverssm.cli.checkpoints",
+    "vllm_recoverssm.cli.oracle",
 )
 
 
