@@ -131,22 +131,14 @@ def kv_connector_kind(vllm_config: VllmConfig) -> str | None:
     return "generic"
 
 
-def _linear_head_dim(vllm_config: VllmConfig) -> int:
+def _text_int(vllm_config: VllmConfig, names: tuple[str, ...], default: int) -> int:
+    """The first of ``names`` the model's text config holds as an integer."""
     text = vllm_config.model_config.hf_text_config
-    for name in ("linear_head_dim", "head_dim"):
+    for name in names:
         value = getattr(text, name, None)
         if isinstance(value, int):
             return value
-    return 0
-
-
-def _conv_width(vllm_config: VllmConfig) -> int:
-    text = vllm_config.model_config.hf_text_config
-    for name in ("linear_conv_kernel_dim", "short_conv_kernel_size"):
-        value = getattr(text, name, None)
-        if isinstance(value, int):
-            return value
-    return 4
+    return default
 
 
 def deployment_from_vllm_config(
@@ -173,8 +165,9 @@ def deployment_from_vllm_config(
         "num_spec": vllm_config.num_speculative_tokens,
         "activation_dtype": str(vllm_config.model_config.dtype),
         "state_dtype": str(compat.kda_state_dtypes(vllm_config)[1]),
-        "head_dim": _linear_head_dim(vllm_config),
-        "conv_width": _conv_width(vllm_config),
+        "head_dim": _text_int(vllm_config, ("linear_head_dim", "head_dim"), 0),
+        "conv_width": _text_int(vllm_config, ("linear_conv_kernel_dim",
+                                              "short_conv_kernel_size"), 4),
         "pipeline_parallel_size": vllm_config.parallel_config.pipeline_parallel_size,
         "model_runner": "v2" if vllm_config.use_v2_model_runner else "v1",
         "device": device,
