@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_recoverssm.vllm_plugin.distributed.kv_connector.index import INDEX_DIR, LAYOUT_FILE
 from vllm_recoverssm.vllm_plugin.run_engine import FollowUp
 
 INTERVAL = 16
@@ -76,7 +77,7 @@ def wait_for_index(path: Path, lengths: Sequence[int], timeout: float = 60.0) ->
     """Wait until the disk store lists a bundle of every length in ``lengths``."""
     deadline = time.monotonic() + timeout
     while True:
-        names = [f.name for f in (path / "recoverssm-index").glob("*/*")]
+        names = [f.name for f in (path / INDEX_DIR).glob("*/*") if f.name != LAYOUT_FILE]
         have = {int(n.split("-", 1)[0]) for n in names}
         if set(lengths) <= have:
             return
