@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: venv demo test test-gpu lint clean install-lmcache install-vllm install-vllm033 install-b12x
+.PHONY: venv demo test test-fast test-gpu lint clean install-lmcache install-vllm install-vllm033 install-b12x
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -69,7 +69,7 @@ demo: venv
 # each on TEST_WORKERS pytest-xdist processes. A vLLM test module stays on one worker
 # (its engines share module fixtures); each worker's engines bind to a core of their own.
 # Engine processes are forked from a server that imported torch and vLLM once
-# (vllm_plugin/engine_fork.py), so every vLLM test runs on both versions.
+# (harness/engine_fork.py), so every vLLM test runs on both versions.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: venv install-lmcache install-vllm install-b12x install-vllm033
@@ -77,7 +77,13 @@ test: venv install-lmcache install-vllm install-b12x install-vllm033
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "vllm and not gpu" tests
 	TRITON_INTERPRET=1 $(VENV033)/bin/python -m pytest -q $(XDIST) -m "vllm and not gpu" tests
 
-# GPU tests (run on a machine with a CUDA GPU, without the interpreter).
+# The inner loop: every test but the engine runs (marked slow), on vLLM 0.32; a few
+# minutes on two cores.
+test-fast: venv install-lmcache install-vllm install-b12x
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not slow and not gpu" tests
+
+# GPU tests (run on a machine with a CUDA GPU, without the interpreter). Where vLLM is not
+# installed its test folders are left out (tests/conftest.py).
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests
 

@@ -26,6 +26,7 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return code, out, err
 
 
+@pytest.mark.slow
 def test_smoke_default_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     js = tmp_path / "bench.json"
     code, out, err = _run(["bench", "--smoke", "--json", str(js)], capsys)
@@ -113,6 +114,7 @@ def test_memory_budget_shares_full_state_pools(tmp_path: Path,
 
 
 @pytest.mark.skipif(not matplotlib_available(), reason="needs matplotlib")
+@pytest.mark.slow
 def test_plot_is_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "bench.png"
     code, _, _ = _run([*SMALL, "--plot", str(png)], capsys)
@@ -167,7 +169,7 @@ def test_ops_order_lists_every_measured_op() -> None:
 
 
 def test_module_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_recoverssm.bench.__main__ import main as bench_main
+    from vllm_recoverssm.cli.bench import main as bench_main
 
     assert bench_main(["--smoke", "--layers", "0"]) == 2
     err = capsys.readouterr().err

@@ -7,31 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore, LayoutIdentity
+from vllm_recoverssm.checkpoint import CheckpointStore, LayoutIdentity
 
-from .helpers import make_identity
-
-MiB = 2**20
+from .helpers import make_identity, open_store
 
 
 @pytest.fixture
 def identity() -> LayoutIdentity:
     """The default test layout."""
     return make_identity()
-
-
-def open_store(
-    backend: str, path: Path | None, identity: LayoutIdentity, **cfg: int
-) -> CheckpointStore:
-    """A store with small pools and 4 KiB chunks, so test bundles span several parts."""
-    settings: dict[str, object] = {"ram_bytes": 16 * MiB, "chunk_bytes": 4096}
-    settings.update(cfg)
-    config = CheckpointConfig(
-        backend=backend,  # type: ignore[arg-type]
-        path=path if backend == "disk" else None,
-        **settings,  # type: ignore[arg-type]
-    )
-    return CheckpointStore(config, identity)
 
 
 @pytest.fixture(params=["ram", "disk"])

@@ -7,7 +7,28 @@ from pathlib import Path
 
 import torch
 
-from vllm_recoverssm.checkpoint import LayoutIdentity, RequestCheckpoint
+from vllm_recoverssm.checkpoint import (
+    CheckpointConfig,
+    CheckpointStore,
+    LayoutIdentity,
+    RequestCheckpoint,
+)
+
+MiB = 2**20
+
+
+def open_store(
+    backend: str, path: Path | None, identity: LayoutIdentity, **cfg: int
+) -> CheckpointStore:
+    """A store with small pools and 4 KiB chunks, so test bundles span several parts."""
+    settings: dict[str, object] = {"ram_bytes": 16 * MiB, "chunk_bytes": 4096}
+    settings.update(cfg)
+    config = CheckpointConfig(
+        backend=backend,  # type: ignore[arg-type]
+        path=path if backend == "disk" else None,
+        **settings,  # type: ignore[arg-type]
+    )
+    return CheckpointStore(config, identity)
 
 
 def make_identity(**changes: object) -> LayoutIdentity:

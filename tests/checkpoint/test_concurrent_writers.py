@@ -17,8 +17,7 @@ import pytest
 
 from vllm_recoverssm.checkpoint.gc import collect_garbage
 
-from .conftest import open_store
-from .helpers import RACE_PROMPTS, make_checkpoint, make_identity
+from .helpers import RACE_PROMPTS, make_checkpoint, make_identity, open_store
 
 pytestmark = pytest.mark.lmcache
 
@@ -26,6 +25,7 @@ WORKER = Path(__file__).with_name("race_worker.py")
 WRITERS = 3
 
 
+@pytest.mark.slow
 def test_two_processes_racing_on_the_same_prefixes_lose_no_acknowledged_write(
     tmp_path: Path,
 ) -> None:

@@ -18,7 +18,6 @@ import pytest
 
 from vllm_recoverssm.checkpoint import CheckpointStore, RequestCheckpoint
 
-from .conftest import open_store
 from .helpers import (
     HEADER,
     flip_bit,
@@ -26,6 +25,7 @@ from .helpers import (
     make_identity,
     make_tokens,
     manifest_file,
+    open_store,
     part_files,
 )
 

@@ -17,8 +17,14 @@ from vllm_recoverssm.checkpoint.gc import collect_garbage
 from vllm_recoverssm.checkpoint.inflight import WriteMarker
 from vllm_recoverssm.checkpoint.names import marker_name
 
-from .conftest import open_store
-from .helpers import make_checkpoint, make_identity, make_tokens, manifest_file, part_files
+from .helpers import (
+    make_checkpoint,
+    make_identity,
+    make_tokens,
+    manifest_file,
+    open_store,
+    part_files,
+)
 
 pytestmark = pytest.mark.lmcache
 

@@ -16,9 +16,9 @@ from pydantic import ValidationError
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointConfigError, CheckpointStore
 from vllm_recoverssm.checkpoint.wire import MAGIC_KEYED
 
-from .conftest import MiB
 from .helpers import (
     HEADER,
+    MiB,
     make_checkpoint,
     make_identity,
     make_tokens,

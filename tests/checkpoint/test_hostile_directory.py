@@ -151,3 +151,19 @@ def test_a_lookup_that_meets_fifos_never_blocks_process_exit(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr[-2000:]
     verdict, seconds = out.stdout.split()
     assert verdict == "miss" and float(seconds) < 5
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/dev/null"])
+def test_a_manifest_replaced_by_a_link_to_a_device_warns_and_counts_rejected(
+    disk_store: CheckpointStore, target: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Like every other bad manifest: a warning naming why, one more rejected bundle."""
+    toks = make_tokens(SHORT)
+    assert disk_store.store(make_checkpoint(toks)).stored
+    manifest = _manifest_path(disk_store, toks)
+    manifest.unlink()
+    os.symlink(target, manifest)
+    with caplog.at_level(logging.WARNING, logger="vllm_recoverssm.checkpoint"):
+        assert disk_store.lookup(toks) is None
+    assert disk_store.stats.rejected == 1
+    assert "manifest is not a regular file" in caplog.text

@@ -22,8 +22,7 @@ from vllm_recoverssm.checkpoint import (
 )
 from vllm_recoverssm.checkpoint.wire import decode, encode, manifest_from_bytes
 
-from .conftest import open_store
-from .helpers import make_checkpoint, make_identity, make_tokens, put_manifest, rewrap
+from .helpers import make_checkpoint, make_identity, make_tokens, open_store, put_manifest, rewrap
 
 TOKENS = make_tokens(24)
 _BASE = make_checkpoint(TOKENS)

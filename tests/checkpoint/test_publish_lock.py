@@ -10,8 +10,7 @@ import pytest
 
 from vllm_recoverssm.checkpoint.inflight import publish_lock
 
-from .conftest import open_store
-from .helpers import make_checkpoint, make_identity, make_tokens
+from .helpers import make_checkpoint, make_identity, make_tokens, open_store
 
 pytestmark = pytest.mark.lmcache
 

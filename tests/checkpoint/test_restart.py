@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import open_store
-from .helpers import CRASH_PROMPT, make_identity
+from .helpers import CRASH_PROMPT, make_identity, open_store
 
 pytestmark = pytest.mark.lmcache
 

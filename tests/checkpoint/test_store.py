@@ -9,8 +9,7 @@ import pytest
 from vllm_recoverssm.checkpoint import CheckpointStore
 from vllm_recoverssm.checkpoint.lmcache_objects import LMCacheObjects
 
-from .conftest import open_store
-from .helpers import make_checkpoint, make_identity, make_tokens
+from .helpers import make_checkpoint, make_identity, make_tokens, open_store
 
 pytestmark = pytest.mark.lmcache
 

@@ -11,8 +11,7 @@ import pytest
 
 from vllm_recoverssm.cli.main import main
 
-from ..checkpoint.conftest import open_store
-from ..checkpoint.helpers import make_checkpoint, make_identity, make_tokens, part_files
+from ..checkpoint.helpers import make_checkpoint, make_identity, make_tokens, open_store, part_files
 
 pytestmark = pytest.mark.lmcache
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllm_recoverssm.cli.main import main
-from vllm_recoverssm.reference.demo import ModeReport
+from vllm_recoverssm.harness.reference_demo import ModeReport
 
 SMALL = ["demo", "--device", "cpu", "--model", "test", "--requests", "3",
          "--max-new-tokens", "6"]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from vllm_recoverssm.cli.engine_table import format_engine_report
-from vllm_recoverssm.vllm_plugin.engine_demo import EngineDemoOptions, EngineDemoReport, WaveTwo
-from vllm_recoverssm.vllm_plugin.run_engine import EngineReport, KVReport, WaveReport
+from vllm_recoverssm.harness.engine_demo import EngineDemoOptions, EngineDemoReport, WaveTwo
+from vllm_recoverssm.harness.run_engine import EngineReport, KVReport, WaveReport
 
 
 def _engine(mode: str, blocks_per_request: int, outputs: list[list[int]]) -> EngineReport:

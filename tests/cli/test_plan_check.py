@@ -110,6 +110,8 @@ def test_plan_from_config(tmp_path, capsys):
         (["--tp", "0"], ["--tp"]),
         (["--tp", "two"], ["--tp", "expected an integer"]),
         (["--num-spec", "-1"], ["--num-spec"]),
+        (["--num-spec", "0"], ["--num-spec", "1..7"]),
+        (["--num-spec", "8"], ["--num-spec", "1..7"]),
         (["--cache-mode", "align"], ["--block-size"]),
         (["--cache-mode", "align", "--block-size", "2"], ["smaller than S+1"]),
         (["--cache-mode", "all"], ["invalid choice"]),
@@ -158,6 +160,20 @@ def test_plan_malformed_config(tmp_path, capsys, content, words):
 def test_plan_missing_config(tmp_path, capsys):
     code, _, err = run_exit(["plan", "--config", str(tmp_path / "x.json")], capsys)
     assert code == 2 and "no such file" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["plan", "check"])
+def test_a_long_missing_path_is_shown_with_its_end(tmp_path, capsys, command):
+    """The end of a path names the file; a long one loses its middle, never its end."""
+    deep = tmp_path.joinpath(*(f"level-{i}" for i in range(12)), "missing", "config.json")
+    code, _, err = run_exit([command, "--config", str(deep)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "missing/config.json'" in err and str(tmp_path)[:30] in err
+
+
+def test_check_takes_no_more_drafts_than_plan(capsys):
+    code, _, err = run_exit(["check", "--num-spec", "8"], capsys)
+    assert code == 2 and "0..7" in err
 
 
 # ---- check -----------------------------------------------------------------------------

@@ -204,7 +204,7 @@ def test_absurd_values_are_one_line_errors(argv: list[str], words: list[str],
 
 
 PLAN_REFUSES = [
-    ["--tp", "3"], ["--tp", "-2"], ["--tp", "0"], ["--num-spec", "-1"], ["--num-spec", "99"],
+    ["--tp", "3"], ["--tp", "-2"], ["--tp", "0"],
     ["--cache-mode", "align"], ["--cache-mode", "align", "--block-size", "2"],
     ["--cache-mode", "align", "--num-spec", "7", "--block-size", "7"],
     ["--block-size", "16"], ["--prefill-checkpoints"], ["--max-num-seqs", "-5"],
@@ -219,6 +219,16 @@ def test_check_refuses_what_plan_refuses(argv: list[str],
     plan_line = _one_line(["plan", *argv], capsys)
     check_line = _one_line(["check", *BASE["check"], *argv], capsys)
     assert plan_line.split("error: ", 1)[1] == check_line.split("error: ", 1)[1]
+
+
+@pytest.mark.parametrize("value", ["-1", "8", "99"])
+def test_plan_and_check_refuse_more_drafts_than_seven(value: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``check`` also takes 0 (no speculation), so only the range's start differs."""
+    plan_line = _one_line(["plan", "--num-spec", value], capsys)
+    check_line = _one_line(["check", *BASE["check"], "--num-spec", value], capsys)
+    assert "--num-spec: expected an integer in 1..7" in plan_line
+    assert "--num-spec: expected an integer in 0..7" in check_line
 
 
 def _config(tmp_path: Path, text: str) -> Path:

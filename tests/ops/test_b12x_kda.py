@@ -238,7 +238,7 @@ def test_recovery_records_replay_b12x_checkpoints(backend: str) -> None:
 # -- what b12x derives from our tensors (CPU) --------------------------------------------
 
 def test_b12x_exposes_the_recovery_api() -> None:
-    from vllm_recoverssm.vllm_plugin.kernels import choose_kernel_backend
+    from vllm_recoverssm.ops.backends import choose_kernel_backend
 
     gdn = _gdn()
     assert b12x_recovery_api(gdn)

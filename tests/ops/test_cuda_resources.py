@@ -113,6 +113,7 @@ def compiled(request: pytest.FixtureRequest) -> tuple[str, list[cr.KernelResourc
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_every_dispatched_instantiation_is_built(
         compiled: tuple[str, list[cr.KernelResources]]) -> None:
     _, found = compiled
@@ -143,6 +144,7 @@ def test_kernels_keep_their_registers_and_blocks_per_sm(
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_cli_prints_the_table_and_json(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "res.json"
@@ -194,6 +196,7 @@ def test_a_bad_override_stops_the_library_with_its_reason(
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_overrides_reach_the_compiler() -> None:
     def by_role(found: list[cr.KernelResources]) -> dict[cr.KernelRole, cr.KernelResources]:
         return {r.describe(): r for r in found}
@@ -212,6 +215,7 @@ def test_overrides_reach_the_compiler() -> None:
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_cli_reports_a_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "v.json"
     assert main(["kernel-resources", "--no-progress", "--define", "recovery_depth=8",

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from vllm_recoverssm import ops
+from vllm_recoverssm.ops import backends, tuning
 
 from .helpers import SpecBatch, make_batch, make_state
 
@@ -44,11 +45,11 @@ class Env:
     V: int
     batches: tuple[int, ...]
     tile: tuple[int, int, int] | None = None
-    """``triton_kda.TILE_OVERRIDE`` for the test (None: the kernels' own choice)."""
+    """``KernelTuning.serial_tile`` for the test (None: the kernels' own choice)."""
     kernel: str | None = None
-    """``triton_kda.VERIFY_KERNEL_OVERRIDE`` for bounded gates (None: the kernels' choice)."""
+    """``KernelTuning.verify_kernel`` for bounded gates (None: the kernels' choice)."""
     commit: str | None = None
-    """``triton_kda.COMMIT_KERNEL_OVERRIDE`` (None: the kernels' choice)."""
+    """``KernelTuning.commit_kernel`` (None: the kernels' choice)."""
 
 
 INTERP = Env("cpu", 2, 16, 16, (3, 5))
@@ -67,26 +68,23 @@ def _available(env: Env) -> bool:
                         pytest.param(INTERP_2CHUNK, id="interp-serial"),
                         pytest.param(GPU, id="gpu", marks=pytest.mark.gpu),
                         pytest.param(GPU_TRITON, id="gpu-triton", marks=pytest.mark.gpu)])
-def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Env:
-    from vllm_recoverssm.ops import triton_kda
-
+def env(request: pytest.FixtureRequest) -> Env:
     e: Env = request.param
     if not _available(e):
         pytest.skip("needs CUDA" if e.device == "cuda" else "needs TRITON_INTERPRET=1")
-    monkeypatch.setattr(triton_kda, "TILE_OVERRIDE", e.tile)
-    monkeypatch.setattr(triton_kda, "VERIFY_KERNEL_OVERRIDE", e.kernel)
-    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", e.commit)
+    # a test may change more knobs: the finalizer puts back what was in force before it
+    previous = tuning.set_tuning(tuning.KernelTuning(), serial_tile=e.tile,
+                                 verify_kernel=e.kernel, commit_kernel=e.commit)
+    request.addfinalizer(lambda: tuning.set_tuning(previous))
     return e
 
 
 def _kernel_for(env: Env, lb: float | None) -> None:
     """Softplus gates always take the serial verify (the window ones need a bounded gate)."""
-    from vllm_recoverssm.ops import triton_kda
-
     if lb is None:
         if env.kernel == "window" and env.device == "cuda":
             pytest.skip("the serial verify on the GPU runs in the 'gpu' environment")
-        triton_kda.VERIFY_KERNEL_OVERRIDE = "serial" if env.kernel else None
+        tuning.set_tuning(verify_kernel="serial" if env.kernel else None)
 
 
 def _lens(batch: int, S: int, gen: torch.Generator) -> list[int]:
@@ -161,13 +159,10 @@ def test_verify_and_commit_match_float64(env: Env, S: int, lb: float | None, act
 
 @pytest.mark.parametrize("S", [1, 3, 7])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype,
-                                              monkeypatch: pytest.MonkeyPatch):
+def test_cuda_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype):
     """The CUDA verify at 16 and 32 rows per warp (4 token slots for S <= 3, else 8): the
     same outputs, records and full-state columns bit for bit, since the layouts choose by
     batch and a step's recovery and full-state calls may take different ones."""
-    from vllm_recoverssm.ops import triton_kda
-
     if env.device != "cuda" or env.kernel is not None:
         pytest.skip("the CUDA window kernel runs in the 'gpu' environment")
     b, lens, pool, idx, corr, kg, _ = _run_step(env, S, env.batches[1], -5.0, act, seed=60 + S)
@@ -179,7 +174,7 @@ def test_cuda_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype,
     n_prev = torch.ones(len(lens), dtype=torch.int32, device=env.device)
     got = []
     for rows in (16, 32):
-        monkeypatch.setattr(triton_kda, "CUDA_ROWS_OVERRIDE", rows)
+        tuning.set_tuning(cuda_rows=rows)
         c, k = corr.clone(), kg.clone()
         out = ops.verify_recovery(*b.tokens(), pool, idx, qsl, c, k, lower_bound=-5.0,
                                   backend="triton")
@@ -187,7 +182,7 @@ def test_cuda_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype,
         out_full = ops.verify_full(*b.tokens(), full_pool, cols, n_prev, qsl,
                                    lower_bound=-5.0, backend="triton")
         got.append((out, c, k, out_full, full_pool))
-    assert triton_kda.verify_kernel(-5.0, W, pool, b.tokens()[0]) == "cuda"
+    assert backends.verify_kernel(-5.0, W, pool, b.tokens()[0]) == "cuda"
     for x, y in zip(*got, strict=True):
         assert torch.equal(x, y)
 
@@ -261,6 +256,7 @@ def test_commit_n_equals_full_state_column_n(env: Env, S: int, act: torch.dtype)
             assert (pool[col].double() - ref_pool[col]).abs().max() <= STATE_TOL
 
 
+@pytest.mark.slow
 def test_drift_over_16_windows_with_weak_decay(env: Env):
     """16 consecutive spec windows (verify + commit of a random count) stay on the oracle."""
     S, batch = 3, env.batches[0]
@@ -365,13 +361,10 @@ def test_conv_update_and_compaction_match_reference(env: Env, S: int, act: torch
 
 
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["bounded", "softplus"])
-def test_commit_token_loops_give_the_same_bits(env: Env, lb: float | None,
-                                               monkeypatch: pytest.MonkeyPatch):
+def test_commit_token_loops_give_the_same_bits(env: Env, lb: float | None):
     """The commit's token loops (a runtime loop, unrolled with masked loads, a runtime
     loop that loads ahead) give the same bits, boundary states and skipped rows
     included, and stay within the tolerance of the float64 reference."""
-    from vllm_recoverssm.ops import triton_kda
-
     S, batch, dev = 3, env.batches[-1], env.device
     H, K, V, W = env.H, env.K, env.V, S + 1
     gen = torch.Generator().manual_seed(31)
@@ -392,8 +385,8 @@ def test_commit_token_loops_give_the_same_bits(env: Env, lb: float | None,
                           blen.to(dev))
     ridx = torch.randperm(slots, generator=gen)[:batch].to(torch.int32).to(dev)
     got = []
-    for loop in triton_kda.COMMIT_LOOPS:
-        monkeypatch.setattr(triton_kda, "COMMIT_LOOP_OVERRIDE", loop)
+    for loop in tuning.COMMIT_LOOPS:
+        tuning.set_tuning(commit_loop=loop)
         out = pool.clone()
         ops.commit(out, corr, kg, A_log, dt_bias, plan, lower_bound=lb, record_indices=ridx,
                    backend="triton")
@@ -408,12 +401,11 @@ def test_commit_token_loops_give_the_same_bits(env: Env, lb: float | None,
 
 @pytest.mark.parametrize("S", [1, 3, 7])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_and_triton_commits_give_the_same_bits(env: Env, S: int, act: torch.dtype,
-                                                    monkeypatch: pytest.MonkeyPatch):
+def test_cuda_and_triton_commits_give_the_same_bits(env: Env, S: int, act: torch.dtype):
     """The CUDA commit at each block size against the Triton commit, bit for bit, over
     several layers whose pools are strided views of bigger pages: records addressed
     elsewhere, final slots, align boundaries, null rows and rows with nothing accepted."""
-    from vllm_recoverssm.ops import cuda_commit, triton_kda
+    from vllm_recoverssm.ops import cuda_commit
 
     if env.device != "cuda" or env.commit is not None:
         pytest.skip("the CUDA commit runs in the 'gpu' environment")
@@ -441,12 +433,12 @@ def test_cuda_and_triton_commits_give_the_same_bits(env: Env, S: int, act: torch
     ridx = torch.randperm(slots, generator=gen)[:batch].to(torch.int32).to(dev)
 
     def run(kernel: str, rows: int | None) -> list[torch.Tensor]:
-        monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", kernel)
-        monkeypatch.setattr(triton_kda, "CUDA_COMMIT_ROWS_OVERRIDE", rows)
+        tuning.set_tuning(commit_kernel=kernel)
+        tuning.set_tuning(cuda_commit_rows=rows)
         out = [p.clone() for p in pages]
         states = [p[:, : H * V * K].view(slots, H, V, K) for p in out]
         tables = ops.commit_tables(states, corrs, kgs)
-        assert triton_kda.commit_kernel(tables, plan, -5.0, ridx) == kernel
+        assert backends.commit_kernel(tables, plan, -5.0, ridx) == kernel
         ops.commit(states, corrs, kgs, A_log, dt_bias, plan, lower_bound=-5.0,
                    record_indices=ridx, backend="triton", tables=tables)
         return out
@@ -459,37 +451,39 @@ def test_cuda_and_triton_commits_give_the_same_bits(env: Env, S: int, act: torch
             assert torch.equal(g, w), f"{rows} rows per block"
 
 
-def test_commit_kernel_choice_and_its_checks(env: Env, monkeypatch: pytest.MonkeyPatch):
+def test_commit_kernel_choice_and_its_checks(env: Env):
     """The Triton commit is the kernels' own choice for short windows and few programs,
     the CUDA one (on CUDA only) for long windows over many; it is taken when asked for
     where it applies (never off CUDA, nor with a softplus gate or int64 indices), and a
     forced choice that cannot run is refused by name."""
-    from vllm_recoverssm.ops import cuda_commit, triton_kda
+    from vllm_recoverssm.ops import cuda_commit
 
     b, lens, pool, idx, corr, kg, accept = _run_step(env, 3, env.batches[0], -5.0,
                                                       torch.float32, seed=5)
     plan = ops.CommitPlan(idx, torch.tensor(accept, dtype=torch.int32, device=env.device))
     tables = ops.commit_tables(pool, corr, kg)
-    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", None)
-    assert triton_kda.commit_kernel(tables, plan, None, None) == "triton"
-    assert triton_kda.commit_kernel(tables, plan, -5.0, None) == "triton"
-    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", "cuda")
+    tuning.set_tuning(commit_kernel=None)
+    assert backends.commit_kernel(tables, plan, None, None) == "triton"
+    assert backends.commit_kernel(tables, plan, -5.0, None) == "triton"
+    tuning.set_tuning(commit_kernel="cuda")
     wide = ops.CommitPlan(idx.long(), plan.commit_lens)  # int64 indices: Triton only
     for bad_plan, bound in ((plan, None), (wide, -5.0)):
         with pytest.raises(ValueError, match="the CUDA commit does not apply"):
-            triton_kda.commit_kernel(tables, bad_plan, bound, None)
+            backends.commit_kernel(tables, bad_plan, bound, None)
     if env.device == "cuda":
-        assert triton_kda.commit_kernel(tables, plan, -5.0, None) == "cuda"
+        assert backends.commit_kernel(tables, plan, -5.0, None) == "cuda"
     else:
         with pytest.raises(ValueError, match="the CUDA commit does not apply"):
-            triton_kda.commit_kernel(tables, plan, -5.0, None)
-    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", "cutlass")
-    with pytest.raises(ValueError, match="COMMIT_KERNEL_OVERRIDE: expected one of"):
-        triton_kda.commit_kernel(tables, plan, -5.0, None)
+            backends.commit_kernel(tables, plan, -5.0, None)
+    with pytest.raises(ValueError, match="'commit_kernel': expected one of"):
+        tuning.set_tuning(commit_kernel="cutlass")
+    with pytest.raises(ValueError, match="'commit_kernels': not a kernel tuning knob"):
+        tuning.set_tuning(commit_kernels="cuda")
+    assert tuning.current().commit_kernel == "cuda"  # a refused change changes nothing
     for rows in (1, 8, 128, 256, 4096):
         assert cuda_commit.rows_per_block(rows, 34 * 32) in cuda_commit.ROWS_PER_BLOCK
 
-    monkeypatch.setattr(triton_kda, "COMMIT_KERNEL_OVERRIDE", None)
+    tuning.set_tuning(commit_kernel=None)
     many = -(-cuda_commit.MIN_PROGRAMS // env.H)  # requests that reach MIN_PROGRAMS
     for W, N, fast in ((cuda_commit.MIN_COLUMNS, many, True),
                        (cuda_commit.MIN_COLUMNS, many - 1, False),
@@ -501,8 +495,8 @@ def test_commit_kernel_choice_and_its_checks(env: Env, monkeypatch: pytest.Monke
         rows = torch.arange(N, dtype=torch.int32, device=env.device)
         lens = torch.full((N,), W, dtype=torch.int32, device=env.device)
         want = "cuda" if fast and env.device == "cuda" else "triton"
-        assert triton_kda.commit_kernel(window, ops.CommitPlan(rows, lens), -5.0, None) == want
-        assert triton_kda.commit_kernel(window, ops.CommitPlan(rows, lens), None, None) \
+        assert backends.commit_kernel(window, ops.CommitPlan(rows, lens), -5.0, None) == want
+        assert backends.commit_kernel(window, ops.CommitPlan(rows, lens), None, None) \
             == "triton"
 
 
@@ -582,13 +576,10 @@ def test_fused_verify_is_commit_then_verify(env: Env, S: int, act: torch.dtype):
 
 @pytest.mark.parametrize("S", [3, 7])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_fused_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype,
-                                                    monkeypatch: pytest.MonkeyPatch):
+def test_cuda_fused_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.dtype):
     """The CUDA fused verify at 16 and 32 rows per warp: the same committed state, outputs
     and records bit for bit (its layout is chosen by batch and window width, and the 16-row
     half-width blocks run four to an SM under their own register bound)."""
-    from vllm_recoverssm.ops import triton_kda
-
     if env.device != "cuda" or env.kernel is not None:
         pytest.skip("the CUDA window kernel runs in the 'gpu' environment")
     b2, pool, idx, corr, kg, first, acc = _two_windows(env, S, act, seed=70 + S)
@@ -596,13 +587,13 @@ def test_cuda_fused_row_layouts_give_the_same_bits(env: Env, S: int, act: torch.
     qsl = b2.query_start_loc.to(env.device)
     got = []
     for rows in (16, 32):
-        monkeypatch.setattr(triton_kda, "CUDA_ROWS_OVERRIDE", rows)
+        tuning.set_tuning(cuda_rows=rows)
         st, c, k = pool.clone(), corr.clone(), kg.clone()
         out = ops.verify_fused(*b2.tokens(), st, idx, qsl, c, k, acc, lower_bound=-5.0,
                                record_indices=second, prev_record_indices=first,
                                backend="triton")
         got.append((out, st, c, k))
-    assert triton_kda.verify_kernel(-5.0, S + 1, pool, b2.tokens()[0]) == "cuda"
+    assert backends.verify_kernel(-5.0, S + 1, pool, b2.tokens()[0]) == "cuda"
     for x, y in zip(*got, strict=True):
         assert torch.equal(x, y)
 

@@ -185,3 +185,88 @@ def test_fused_with_separate_previous_pools_may_reuse_rows():
     """Separate pools for the previous records: the same row numbers do not clash."""
     _fused(pc=torch.zeros(N, H, W, V), pk=torch.zeros(N, H, W, 2 * K),
            record_indices=torch.tensor([0, 1, 2], dtype=torch.int32))
+
+
+def _plan(a: dict, **over) -> ops.VerifyPlan:
+    kw = dict(num_slots=a["state"].shape[0], num_tokens=a["q"].shape[0], window=W,
+              device=a["state"].device, record_rows=a["corrections"].shape[0])
+    kw.update(over)
+    return ops.plan_verify(a["state_indices"], a["query_start_loc"], **kw)
+
+
+def _verify_with(a: dict, step: ops.VerifyPlan):
+    return ops.verify_recovery(
+        a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+        a["state"], a["state_indices"], a["query_start_loc"], a["corrections"], a["kg"],
+        lower_bound=-5.0, step=step,
+    )
+
+
+def test_a_planned_step_checks_its_indices_once(monkeypatch: pytest.MonkeyPatch):
+    """With a verify plan, each layer's call checks its own tensors only: the step's index
+    tensors were checked (with device reads) when the plan was built, never again."""
+    from vllm_recoverssm.ops import plan as plan_module
+
+    want = _verify()
+    a = _args()
+    step = _plan(a)
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a planned call read an index tensor back")
+
+    for name in ("check_index_range", "check_query_start_loc", "check_step_values",
+                 "check_rows"):
+        monkeypatch.setattr(plan_module, name, no_reads)
+    for _ in range(2):  # two layers of one step
+        assert torch.equal(_verify_with(a, step), want)
+
+
+def test_a_planned_step_still_names_bad_arguments():
+    a = _args()
+    step = _plan(a)
+    # the step-wide checks run when the plan is built, with the usual messages
+    with pytest.raises(ValueError, match=r"'state_indices': index 6 is out of range"):
+        ops.plan_verify(
+            torch.tensor([0, 6, 1], dtype=torch.int32), a["query_start_loc"], num_slots=6,
+            num_tokens=a["q"].shape[0], window=W, device=a["state"].device)
+    with pytest.raises(ValueError, match=r"'query_start_loc': a request has 5 tokens"):
+        ops.plan_verify(a["state_indices"], torch.tensor([0, 5, 6, 7], dtype=torch.int32),
+                        num_slots=6, num_tokens=7, window=W, device=a["state"].device)
+    # a layer's own tensors are still checked in full
+    with pytest.raises(ValueError, match=r"'v': expected shape \[7, 2, 8\]"):
+        _verify_with(_args(v=torch.zeros(7, H, V + 1)), step)
+    # a call that does not match its plan is refused, naming what differs
+    other = _args(state_indices=torch.tensor([0, 3, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"'step': planned with another 'state_indices'"):
+        _verify_with(other, step)
+    small = dict(a, state=make_state(4, H, V, K))
+    with pytest.raises(ValueError, match=r"'state': the step was planned for at least 6 slots"):
+        _verify_with(small, step)
+    few = dict(a, corrections=torch.zeros(2, H, W, V), kg=torch.zeros(2, H, W, 2 * K))
+    with pytest.raises(ValueError, match=r"'corrections': the step was planned for at least "
+                                         r"3 record rows, got 2"):
+        _verify_with(few, step)
+
+
+def test_a_fused_plan_checks_shared_record_rows():
+    a = _args(corrections=torch.zeros(2 * N, H, W, V), kg=torch.zeros(2 * N, H, W, 2 * K))
+    lens = torch.tensor([2, 0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"'prev_record_indices': rows \[5\] are read"):
+        ops.plan_verify(a["state_indices"], a["query_start_loc"], num_slots=6, num_tokens=7,
+                        window=W, device=a["state"].device,
+                        record_indices=torch.tensor([3, 4, 5], dtype=torch.int32),
+                        record_rows=2 * N, prev_lens=lens,
+                        prev_record_indices=torch.tensor([0, 1, 5], dtype=torch.int32),
+                        prev_record_rows=2 * N, prev_shares_pool=True)
+    ridx = torch.tensor([3, 4, 5], dtype=torch.int32)
+    pridx = torch.tensor([0, 1, 2], dtype=torch.int32)
+    separate = ops.plan_verify(a["state_indices"], a["query_start_loc"], num_slots=6,
+                               num_tokens=7, window=W, device=a["state"].device,
+                               record_indices=ridx, record_rows=2 * N, prev_lens=lens,
+                               prev_record_indices=pridx, prev_record_rows=2 * N)
+    with pytest.raises(ValueError, match=r"'step': planned with separate previous record"):
+        ops.verify_fused(
+            a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+            a["state"], a["state_indices"], a["query_start_loc"], a["corrections"], a["kg"],
+            lens, lower_bound=-5.0, record_indices=ridx, prev_record_indices=pridx,
+            step=separate)

@@ -9,7 +9,8 @@ from unittest import mock
 import pytest
 import torch
 
-from .conftest import BASE_ARGS, MTP3
+from tests.support.vllm_configs import BASE_ARGS, MTP3
+from vllm_recoverssm.vllm_plugin.patch import v1_runner
 
 
 def test_supported_range_and_one_clear_error_outside_it(vllm_module: Any) -> None:
@@ -41,7 +42,7 @@ def test_v1_commit_hook_runs_after_vllms_update_and_installs_once(vllm_module: A
     from vllm_recoverssm.vllm_plugin import compat
 
     runner_cls = gpu_model_runner.GPUModelRunner
-    saved = vars(runner_cls)[compat.V1_HOOK]
+    saved = vars(runner_cls)[v1_runner.V1_HOOK]
     seen: list[str] = []
 
     def original(self: Any, output_token_ids: Any, scheduler_output: Any) -> str:
@@ -52,18 +53,18 @@ def test_v1_commit_hook_runs_after_vllms_update_and_installs_once(vllm_module: A
         seen.append(f"commit {sampled}")
 
     try:
-        setattr(runner_cls, compat.V1_HOOK, original)
-        compat.install_v1_commit_hook(hook)
-        compat.install_v1_commit_hook(hook)  # idempotent
-        wrapped = getattr(runner_cls, compat.V1_HOOK)
+        setattr(runner_cls, v1_runner.V1_HOOK, original)
+        v1_runner.install_v1_commit_hook(hook)
+        v1_runner.install_v1_commit_hook(hook)  # idempotent
+        wrapped = getattr(runner_cls, v1_runner.V1_HOOK)
         assert wrapped(object(), "ids", None) == "result"
         assert seen == ["vllm", "commit ids"]
         # a method vLLM reshaped is refused at install time, not mid-request
-        setattr(runner_cls, compat.V1_HOOK, lambda self, tokens: None)
+        setattr(runner_cls, v1_runner.V1_HOOK, lambda self, tokens: None)
         with pytest.raises(compat.UnsupportedVllmError, match="cannot hook it"):
-            compat.install_v1_commit_hook(hook)
+            v1_runner.install_v1_commit_hook(hook)
     finally:
-        setattr(runner_cls, compat.V1_HOOK, saved)
+        setattr(runner_cls, v1_runner.V1_HOOK, saved)
     params = list(inspect.signature(saved).parameters)
     assert params[:3] == ["self", "output_token_ids", "scheduler_output"]
 

@@ -3,7 +3,7 @@
 Every test runs vLLM's ``LLM`` (in a process of its own) on the tiny all-KDA GLM-5.3 with
 seeded random weights, forcing recovery on (``additional_config={"recoverssm": "on"}``)
 and off, and compares the outputs token for token. The drafts come from the oracle
-drafter (:mod:`vllm_recoverssm.vllm_plugin.spec_decode.oracle`), which drafts the model's
+drafter (:mod:`vllm_recoverssm.harness.oracle_drafter`), which drafts the model's
 own continuation with a chosen share of wrong tokens, so each test sets its acceptance.
 Batches mix prompt chunks (32-token chunked prefill) and verify rows.
 """
@@ -14,10 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
-from vllm_recoverssm.vllm_plugin.tiny_model import write_tiny_dflash
-
-from .engine import (
+from tests.support.engine import (
     CHUNKED,
     MAX_TOKENS,
     ColdRun,
@@ -28,8 +25,10 @@ from .engine import (
     run_pair,
     tiny_layer_page,
 )
+from vllm_recoverssm.harness.run_engine import EngineRun
+from vllm_recoverssm.harness.tiny_model import write_tiny_dflash
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.checkpoints import kv_config
+from tests.support.engine import oracle_file, run_engine, run_pair
+from tests.support.hf_flash import LOGPROB_TOLERANCE, make_flash
 from vllm_recoverssm.harness.hf_compare import (
     FLASH_ENGINE,
     compare,
@@ -25,11 +28,7 @@ from vllm_recoverssm.harness.hf_glm53 import (
     greedy_in_subprocess,
     words,
 )
-from vllm_recoverssm.vllm_plugin.run_engine import EngineRun, ImagePrompt
-
-from .checkpoints import kv_config
-from .engine import oracle_file, run_engine, run_pair
-from .hf_flash import LOGPROB_TOLERANCE, make_flash
+from vllm_recoverssm.harness.run_engine import EngineRun, ImagePrompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

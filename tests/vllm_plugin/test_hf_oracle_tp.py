@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.checkpoints import kv_config
+from tests.support.engine import oracle_file, run_engine
+from tests.support.hf_flash import LOGPROB_TOLERANCE, NEW_TOKENS, make_flash
 from vllm_recoverssm.harness.hf_compare import (
     FLASH_ENGINE,
     TOP_LOGPROBS,
@@ -19,11 +22,7 @@ from vllm_recoverssm.harness.hf_compare import (
     worst_logprob_gap,
 )
 from vllm_recoverssm.harness.hf_glm53 import TinyFlash
-from vllm_recoverssm.vllm_plugin.run_engine import EngineRun
-
-from .checkpoints import kv_config
-from .engine import oracle_file, run_engine
-from .hf_flash import LOGPROB_TOLERANCE, NEW_TOKENS, make_flash
+from vllm_recoverssm.harness.run_engine import EngineRun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

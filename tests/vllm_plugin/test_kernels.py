@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 
 from vllm_recoverssm.ops.b12x_kda import B12X_REQUIRED_CAPS_FIELDS
-from vllm_recoverssm.vllm_plugin.kernels import (
+from vllm_recoverssm.ops.backends import (
     B12X_REQUIRED_API,
     b12x_has_recovery_api,
     choose_kernel_backend,

@@ -9,6 +9,8 @@ from unittest import mock
 
 import pytest
 
+from tests.support.tiny_glm import write_tiny_qwen3_next
+from tests.support.vllm_configs import MTP3, on_gpu, with_prefix_caching
 from vllm_recoverssm.config import IneligibleError, RecoveryMode
 from vllm_recoverssm.vllm_plugin import CONFIG_KEY, register
 from vllm_recoverssm.vllm_plugin import config as plugin_config
@@ -22,9 +24,6 @@ from vllm_recoverssm.vllm_plugin.config import (
     recovery_enabled,
     requested_commit,
 )
-
-from .conftest import MTP3, on_gpu, with_prefix_caching
-from .tiny_glm import write_tiny_qwen3_next
 
 
 def test_plugin_is_found_through_the_entry_point(vllm_module: Any) -> None:

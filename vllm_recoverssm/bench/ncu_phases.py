@@ -11,8 +11,7 @@ Reads the per-instruction table Nsight Compute writes for one profiled kernel
 - the stall reasons over the whole kernel.
 
 A CUDA kernel with block barriers is a chain of such phases; the table says which one
-waits, and on what. ``docs/bench/h100-2026-12-06-verify-profile-ncu.txt`` is its output
-for the window verify.
+waits, and on what; docs/results.md links its latest output for the window verify.
 """
 
 from __future__ import annotations

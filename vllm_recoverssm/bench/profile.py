@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     over: dict[str, object] = {}
     if args.kernel != "auto":
-        over["VERIFY_KERNEL_OVERRIDE"] = args.kernel
+        over["verify_kernel"] = args.kernel
     if args.rows is not None:
-        over["CUDA_ROWS_OVERRIDE"] = args.rows
+        over["cuda_rows"] = args.rows
     dev = torch.device("cuda")
     with overrides(over):
         step = make_step(args.num_spec, args.batch, args.heads, dev)

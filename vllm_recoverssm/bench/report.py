@@ -17,7 +17,7 @@ RATIO_SHORT = {"total_all/fla": "all/fla", "total_2/fla": "2/fla",
                "total_all/ours_full": "all/ours", "total_2/ours_full": "2/ours",
                "fused_all/fla": "f-all/fla", "fused_2/fla": "f-2/fla"}
 
-# The issue's targets on an H200 (ratios against fla-core from the same run), by S:
+# Target ratios against fla-core from the same run, by S (set for an H200):
 RATIO_TARGET_LARGE = {3: 0.46, 7: 0.27}  # recovery (verify + commit), batch >= 128
 FUSED_TARGET_LARGE = {3: 0.33, 7: 0.20}  # fused verify, batch >= 128
 RATIO_TARGET_MID = {3: 0.60, 7: 0.40}  # recovery and fused, batch 32
@@ -64,7 +64,7 @@ def _ratio_floor(ops: dict[str, Any], key: str) -> float | None:
     """The ratio ``key`` (an op over fla-core) that the op would reach at the copy roof,
     against fla-core's measured time: the op's bytes over fla's, times fla's fraction of
     the roof. A limit below it cannot be met on this card by any kernel that moves those
-    bytes; the issue's limits assumed fla at about 66% of the roof (an H200)."""
+    bytes."""
     num, den = next(((n, d) for k, n, d in RATIOS if k == key), (None, None))
     a, b = ops.get(num or ""), ops.get(den or "")
     if not a or not b or not a.get("bytes") or not b.get("bytes") or "roof_frac" not in b:

@@ -13,14 +13,13 @@ GPU method, per measured op:
    H100 or H200. ``read`` sums the buffer as float32 instead, so L2 holds clean lines, as
    after a decode step's projections, which read weights: the op then pays no write-back
    of lines it did not write. (In either mode the op's own last writes may still sit in
-   L2 when it ends.) On an H100 that sum takes about as long as the write (95-104 against
-   83-85 us) and leaves fla-core's times as the write does (0.98-1.00). A sum into int64,
-   tried first, took 472-477 us, and fla-core then ran 10-17% slower at batches up to 32,
-   even after a 1 ms pause (docs/bench/h100-2026-12-06-flush-modes.txt).
+   L2 when it ends.) The sum takes about as long as the write and leaves fla-core's times
+   as the write does; a sum into int64 was several times slower and slowed the op that
+   followed (docs/results.md, "L2 flush: write against read").
 4. CUDA events recorded right before and right after each replay bracket the op alone:
    the flush is not inside the interval, so no flush time has to be estimated and
    subtracted (which a flush inside the graph would need). The host enqueues the next
-   replay while the GPU still runs the flush (83-104 us on an H100), so host launch
+   replay while the GPU still runs the flush, so host launch
    latency is hidden too; what remains is the GPU's own graph launch, as in a serving
    engine's graph.
 5. warm-up replays, then the median over ``reps`` replays (all events read after one
@@ -183,7 +182,7 @@ def measure_roof(timer: Timer, copy_bytes: int) -> tuple[int, Timing]:
 
     Bytes moved counts the read and the write, ``2 * copy_bytes``. Two copies are timed
     and the faster one is the roof: ``copy_`` (inside a CUDA graph it becomes a memcpy
-    node, which on an H200 ran at about 2.8 TB/s) and an element-wise kernel writing
+    node) and an element-wise kernel writing
     ``src * 1`` (a plain streaming kernel on the SMs, like the ops measured here).
     """
     n = max(copy_bytes // 4, 1)

@@ -3,9 +3,11 @@
 Every verify kernel (the CUDA window kernel at 16 and 32 rows per warp, the Triton window
 kernel at a few tiles, the serial Triton kernel), the Triton commit at a few tiles and
 loops, the CUDA commit at each block size and the fused verify, at GLM-5.3 TP2 shapes and
-one layer, with the bench's method (CUDA-graph replays after an L2 flush, medians). The
-tile heuristics in :mod:`vllm_recoverssm.ops.triton_kda` are read off this table; it prints
-one line per (variant, S, batch) and writes JSON.
+one layer, with the bench's method (CUDA-graph replays after an L2 flush, medians). Each
+variant is a set of :class:`vllm_recoverssm.ops.tuning.KernelTuning` knobs; the kernel
+choices of :mod:`vllm_recoverssm.ops.backends` and the tile heuristics of
+:mod:`vllm_recoverssm.ops.triton_kda` are read off this table. It prints one line per
+(variant, S, batch) and writes JSON.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..ops import cuda_commit, cuda_window, triton_kda
+from ..ops import cuda_commit, cuda_window, tuning
 from . import accounting as acc
 from . import workload as wl
 from .grid import GIB, MIB
@@ -31,35 +33,24 @@ WINDOW_TILES = ((32, 1, 4, 1), (64, 2, 4, 2))
 COMMIT_TILES = ((16, 1, 2), (16, 1, 1), (32, 2, 2), (32, 1, 2))
 
 
-@contextmanager
-def _override(name: str, value: object) -> Iterator[None]:
-    old = getattr(triton_kda, name)
-    setattr(triton_kda, name, value)
-    try:
-        yield
-    finally:
-        setattr(triton_kda, name, old)
-
-
 def _variants() -> list[tuple[str, str, dict[str, object]]]:
-    """(op, label, overrides of triton_kda) for every variant timed."""
+    """(op, label, tuning knobs) for every variant timed."""
     out: list[tuple[str, str, dict[str, object]]] = []
     for rows in (16, 32):
-        over: dict[str, object] = {"VERIFY_KERNEL_OVERRIDE": "cuda", "CUDA_ROWS_OVERRIDE": rows}
+        over: dict[str, object] = {"verify_kernel": "cuda", "cuda_rows": rows}
         out += [("verify", f"cuda/{rows}", over), ("fused_all", f"cuda/{rows}", over),
                 ("fused_2", f"cuda/{rows}", over), ("ours_full", f"cuda/{rows}", over)]
     for tile in WINDOW_TILES:
-        over = {"VERIFY_KERNEL_OVERRIDE": "window", "WINDOW_TILE_OVERRIDE": tile}
+        over = {"verify_kernel": "window", "window_tile": tile}
         out += [("verify", "triton-window/" + "x".join(map(str, tile)), over)]
-    out += [("verify", "triton-serial", {"VERIFY_KERNEL_OVERRIDE": "serial"})]
+    out += [("verify", "triton-serial", {"verify_kernel": "serial"})]
     for ctile in COMMIT_TILES:
-        for loop in triton_kda.COMMIT_LOOPS:
-            over = {"COMMIT_KERNEL_OVERRIDE": "triton", "COMMIT_TILE_OVERRIDE": ctile,
-                    "COMMIT_LOOP_OVERRIDE": loop}
+        for loop in tuning.COMMIT_LOOPS:
+            over = {"commit_kernel": "triton", "commit_tile": ctile, "commit_loop": loop}
             label = f"commit-{loop}/" + "x".join(map(str, ctile))
             out += [("commit_all", label, over), ("commit_2", label, over)]
     for rows in cuda_commit.ROWS_PER_BLOCK:
-        over = {"COMMIT_KERNEL_OVERRIDE": "cuda", "CUDA_COMMIT_ROWS_OVERRIDE": rows}
+        over = {"commit_kernel": "cuda", "cuda_commit_rows": rows}
         out += [("commit_all", f"commit-cuda/{rows}", over),
                 ("commit_2", f"commit-cuda/{rows}", over)]
     return out
@@ -117,13 +108,10 @@ def run(num_spec: tuple[int, ...], batches: tuple[int, ...], heads: int, reps: i
             "cuda_defines": defines, "rows": rows}
 
 
-@contextmanager
-def overrides(over: dict[str, object]) -> Iterator[None]:
-    """Set these ``triton_kda`` kernel overrides (``*_OVERRIDE``) for the block."""
-    with ExitStack() as stack:
-        for name, value in over.items():
-            stack.enter_context(_override(name, value))
-        yield
+def overrides(over: dict[str, object]) -> AbstractContextManager[tuning.KernelTuning]:
+    """These :class:`~vllm_recoverssm.ops.tuning.KernelTuning` knobs (field names) in force
+    for the block."""
+    return tuning.tuned(**over)
 
 
 def make_step(num_spec: int, batch: int, heads: int, device: torch.device) -> wl.Step:

@@ -17,9 +17,11 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..config.state_mode import STATE_MODES
 from .tensors import DTYPES
 
-MODES = ("recovery", "full_state")
+MODES = tuple(m.value for m in STATE_MODES)
+"""Spellings of the state modes an identity may hold."""
 _PREFIX_DOMAIN = b"vllm-recoverssm/prefix/v1\0"
 MAX_TOKEN_ID = 2**32 - 1
 

@@ -41,6 +41,7 @@ import torch
 
 from .config import CheckpointConfig
 from .errors import CheckpointConfigError
+from .files import regular_file_size
 
 SUPPORTED_LMCACHE = "0.5."
 INSTALL_HINT = "install it with `make install-lmcache` (requirements/lmcache.txt)"
@@ -329,6 +330,14 @@ class LMCacheObjects:
         """Whether an object is stored under ``key``."""
         backend = self._cpu if self._remote is None else self._remote
         return bool(backend.contains(self._key(key)))
+
+    def blocked(self, key: ObjectKey) -> bool:
+        """Whether something that is not a stored object (a link, a FIFO, a device, a
+        directory) sits at ``key``'s name in the disk store's directory."""
+        if self._remote is None or self.config.path is None:
+            return False
+        path = Path(self.config.path) / self._fs.file_name(self._key(key))
+        return os.path.lexists(path) and regular_file_size(path) is None
 
     def remove(self, key: ObjectKey) -> None:
         """Remove the object under ``key`` if there is one (best effort)."""

@@ -414,6 +414,11 @@ class CheckpointStore:
                     logger.warning("checkpoint lookup of a %d-token prefix failed: %s", n, exc)
                     continue
                 if not listed:
+                    if self._objects.blocked(self._manifest_key(n, digests[n - 1])):
+                        self.stats.rejected += 1
+                        logger.warning(
+                            "checkpoint bundle for a %d-token prefix ignored (%s store): its "
+                            "manifest is not a regular file", n, self.config.backend)
                     continue
                 loaded = self._load(toks[:n], digests[n - 1])
                 if loaded is not None:

@@ -23,7 +23,9 @@ from pathlib import Path
 
 MAX_ARG_CHARS = 4096
 """No value longer than this is parsed (a path or a list; numbers are far shorter)."""
-_SHOWN = 40
+_SHOWN = 160
+"""A longer value is shown with its middle cut: the end of a path names the file."""
+_SHOWN_HEAD = 48
 
 
 class UsageError(ValueError):
@@ -32,9 +34,12 @@ class UsageError(ValueError):
 
 
 def shown(text: str) -> str:
-    """``text`` quoted for a message, cut short so a huge argument stays one short line."""
-    cut = text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
-    return repr(cut)
+    """``text`` quoted for a message; a huge argument stays one line by losing its middle,
+    never its end (the part of a path that names the file)."""
+    if len(text) <= _SHOWN:
+        return repr(text)
+    tail = _SHOWN - _SHOWN_HEAD - 3
+    return repr(text[:_SHOWN_HEAD] + "..." + text[-tail:])
 
 
 def flag_error(flags: str | Iterable[str], message: str) -> UsageError:

@@ -1,7 +1,7 @@
 """``recoverssm bench``: decode-step timings of recovery vs full-state verify on a GPU.
 
 The options are strings to argparse and are checked by :data:`DEFERRED_CHECKS` after parsing:
-``python -m vllm_recoverssm.bench`` parses them with a plain argparse parser and reports a
+``python -m vllm_recoverssm.cli.bench`` parses them with a plain argparse parser and reports a
 bad value (a ``ValueError``) as one line itself.
 """
 
@@ -192,3 +192,20 @@ def run(args: argparse.Namespace) -> int:
     if plot_path is not None:
         plot.write_plot(result, plot_path)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_recoverssm.cli.bench``: the sub-command without the others (a GPU
+    machine may have only torch and triton); bad input is one line and exit code 2."""
+    parser = argparse.ArgumentParser(prog="recoverssm")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"recoverssm bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -97,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "print the decision. Exit 0: decided; 1: --mode on but ineligible; "
                     "2: bad arguments.",
     )
-    add_deployment_args(p)
+    add_deployment_args(p, min_num_spec=0)
     e = p.add_argument_group("eligibility")
     e.add_argument("--mode", choices=("auto", "on", "off"), default="auto",
                    help="auto (default), on (force; fail if ineligible), off (full states)")

@@ -22,8 +22,9 @@ import pydantic
 import torch
 
 from vllm_recoverssm.cli.args import Directory, Float, Int, UsageError, flag_error
-from vllm_recoverssm.cli.text import MODE_TITLES, mib, table
-from vllm_recoverssm.reference.demo import (
+from vllm_recoverssm.cli.text import mib, mode_title, table
+from vllm_recoverssm.config.state_mode import StateMode
+from vllm_recoverssm.harness.reference_demo import (
     DRAFTERS,
     GPU_PREFILL_TOKENS,
     MAX_REPEAT,
@@ -126,7 +127,7 @@ class ProgressBar:
         if not self.enabled:
             return
         elapsed = time.monotonic() - self.started
-        label = MODE_TITLES.get(phase, phase)
+        label = mode_title(phase)
         if self.tty:
             filled = BAR_WIDTH * done // max(total, 1)
             bar = "#" * filled + "." * (BAR_WIDTH - filled)
@@ -168,17 +169,17 @@ def format_report(report: DemoReport) -> str:
         [("mode", "<11"), ("tokens/s", ">9.1f"), ("decode tok/s", ">13.1f"), ("steps", ">6"),
          ("accepted", ">9.1%"), ("", ""), ("accept lengths 0..S", "<22"),
          ("state/request", ">14"), ("planner", ">14")],
-        [(MODE_TITLES[mode], m.tokens_per_second, m.decode_tokens_per_second, m.steps,
+        [(mode_title(mode), m.tokens_per_second, m.decode_tokens_per_second, m.steps,
           m.acceptance_rate, "",
           str(m.accept_histogram), mib(m.state_bytes_per_request),
           mib(m.planner_state_bytes_per_request))
          for mode, m in report.modes.items()])
-    rec, full = report.modes.get("recovery"), report.modes.get("full_state")
+    rec, full = report.modes.get(StateMode.RECOVERY), report.modes.get(StateMode.FULL_STATE)
     lines.append("")
     if report.repeat > 1:
         lines.append(f"{report.repeat} timed runs per mode in alternating order; tokens/s are "
                      "medians. Decode tok/s of each run:")
-        lines += [f"  {MODE_TITLES[mode]:<11} " + " ".join(f"{v:.1f}" for v in m.decode_runs)
+        lines += [f"  {mode_title(mode):<11} " + " ".join(f"{v:.1f}" for v in m.decode_runs)
                   for mode, m in report.modes.items()]
         if rec is not None and full is not None:
             ratios = [a / b for a, b in zip(rec.decode_runs, full.decode_runs, strict=True)
@@ -206,9 +207,9 @@ def format_report(report: DemoReport) -> str:
             f"{'yes' if report.matches_greedy else 'no'}"
         )
     if any(m.graph_steps for m in report.modes.values()):
-        steps = ", ".join(f"{MODE_TITLES[k]} {m.graph_steps}" for k, m in report.modes.items())
+        steps = ", ".join(f"{mode_title(k)} {m.graph_steps}" for k, m in report.modes.items())
         lines.append(f"decode steps replayed from a CUDA graph: {steps}")
-    rec = report.modes.get("recovery")
+    rec = report.modes.get(StateMode.RECOVERY)
     if rec is not None and rec.deferred_rows and report.block_size is not None:
         rows = sum(rec.accept_histogram)
         rest = ("" if rec.deferred_rows == rows else
@@ -218,7 +219,7 @@ def format_report(report: DemoReport) -> str:
                      f"{rec.deferred_rows} of {rows} decode rows waited for their next "
                      f"verify{rest}")
     if any(m.prefix_cache_hits for m in report.modes.values()):
-        hits = ", ".join(f"{MODE_TITLES[k]} {m.prefix_cache_hits} ({m.prefix_cache_hit_tokens} "
+        hits = ", ".join(f"{mode_title(k)} {m.prefix_cache_hits} ({m.prefix_cache_hit_tokens} "
                          "prompt tokens not recomputed)" for k, m in report.modes.items())
         lines.append(f"prefix-cache hits: {hits}")
     if report.checkpoints:
@@ -242,13 +243,13 @@ def format_checkpoints(report: DemoReport) -> list[str]:
         [("mode", "<11"), ("exported", ">8"), ("hits", ">6"), ("exact", ">5"),
          ("restored tok", ">12"), ("prompt tok computed", ">19"), ("steps", ">8"),
          ("cold s", ">7.2f"), ("restored s", ">10.2f"), ("saved", ">6.0%")],
-        [(MODE_TITLES[mode], c.exported, f"{c.hits}/{c.requests}", c.exact_hits,
+        [(mode_title(mode), c.exported, f"{c.hits}/{c.requests}", c.exact_hits,
           c.restored_tokens, f"{c.computed_cold} -> {c.computed_restored}",
           f"{c.steps_cold} -> {c.steps_restored}", c.cold_seconds, c.restored_seconds,
           c.saved_fraction)
          for mode, c in report.checkpoints.items()])
     same = all(c.outputs_identical for c in report.checkpoints.values())
-    io = ", ".join(f"{MODE_TITLES[k]} {c.checkpoint_seconds:.2f} s" for k, c in
+    io = ", ".join(f"{mode_title(k)} {c.checkpoint_seconds:.2f} s" for k, c in
                    report.checkpoints.items())
     written = sum(c.bytes_written for c in report.checkpoints.values())
     lines += [
@@ -289,7 +290,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise flag_error("--engine", "vllm needs the vLLM package, which is not installed "
                          "here (make install-vllm installs its CPU build)")
     from vllm_recoverssm.cli.engine_table import format_engine_report
-    from vllm_recoverssm.vllm_plugin.engine_demo import EngineDemoOptions, run_engine_demo
+    from vllm_recoverssm.harness.engine_demo import EngineDemoOptions, run_engine_demo
 
     check_checkpoint_dir(args)
     fields: dict[str, object] = dict(num_spec=args.num_spec, acceptance=args.acceptance,

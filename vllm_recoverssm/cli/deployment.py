@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from pydantic import ValidationError
 
+from ..config.eligibility import MAX_NUM_SPEC, MIN_NUM_SPEC
 from ..config.models import ModelConfigError, ModelSpec, get_model_spec, load_hf_config
 from ..state.planner import Plan, PlanConfig, plan
 from .args import Float, InputFile, Int, Text, UsageError, flag_error
@@ -23,7 +24,6 @@ _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
                 "fp32": "float32", "float": "float32"}
 MAX_CONFIG_BYTES = 4 * 2**20
 MAX_TP = 1024
-MAX_NUM_SPEC = 15  # the planner's bound; eligibility then asks for 1..7
 MAX_BLOCK_SIZE = 2**20
 MAX_NUM_SEQS = 2**16
 MAX_MODEL_LEN = 2**26
@@ -59,8 +59,9 @@ def validation_message(exc: ValidationError, fields: Mapping[str, str]) -> str:
     return "; ".join(parts)
 
 
-def add_deployment_args(p: argparse.ArgumentParser) -> None:
-    """Flags describing the model and how it is served (plan and check)."""
+def add_deployment_args(p: argparse.ArgumentParser, min_num_spec: int = MIN_NUM_SPEC) -> None:
+    """Flags describing the model and how it is served (plan and check); ``check`` also
+    takes ``--num-spec 0`` (a deployment without speculation)."""
     m = p.add_argument_group("model")
     m.add_argument("--model", default="glm-5.3",
                    type=Text(64, r"[A-Za-z0-9_.\-]+", "a model name"),
@@ -72,8 +73,9 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("deployment")
     d.add_argument("--tp", type=Int(1, MAX_TP), default=1,
                    help="tensor-parallel size (default 1)")
-    d.add_argument("--num-spec", type=Int(0, MAX_NUM_SPEC), default=3,
-                   help="speculative (draft) tokens per step, S (default 3)")
+    d.add_argument("--num-spec", type=Int(min_num_spec, MAX_NUM_SPEC), default=3,
+                   help=f"speculative (draft) tokens per step, S in {min_num_spec}.."
+                        f"{MAX_NUM_SPEC} (default 3)")
     d.add_argument("--cache-mode", choices=("none", "align"), default="none",
                    help="prefix caching of recurrent state (default none)")
     d.add_argument("--block-size", type=Int(1, MAX_BLOCK_SIZE),

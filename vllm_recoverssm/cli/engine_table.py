@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from ..vllm_plugin.engine_demo import EngineDemoReport, engine_count
-from .text import MODE_TITLES, mib, table
+from ..config.state_mode import StateMode
+from ..harness.engine_demo import EngineDemoReport, engine_count
+from .text import mib, mode_title, table
 
 
 def format_engine_report(report: EngineDemoReport) -> str:
     """The human-readable table."""
     o = report.options
-    rec, full = report.modes["recovery"], report.modes["full_state"]
+    rec, full = report.modes[StateMode.RECOVERY], report.modes[StateMode.FULL_STATE]
     lines = [
         "recoverssm demo --engine vllm: the tiny GLM-5.3 (all-KDA, random weights) through "
         f"vLLM {rec.vllm_version}'s LLM engine",
@@ -26,7 +27,7 @@ def format_engine_report(report: EngineDemoReport) -> str:
         [("mode", "<11"), ("tokens/s", ">9.1f"), ("accepted", ">9.1%"), ("blocks", ">7"),
          ("blocks/req", ">10"), ("state/request", ">14"), ("planner", ">12"),
          ("max conc.", ">10.2f")],
-        [(MODE_TITLES[name], r.tokens_per_s, r.acceptance, r.kv.num_blocks,
+        [(mode_title(name), r.tokens_per_s, r.acceptance, r.kv.num_blocks,
           r.kv.blocks_per_request, mib(r.kv.state_bytes_per_request),
           mib(report.planner_bytes[name]), r.kv.max_concurrency)
          for name, r in report.modes.items()])
@@ -68,13 +69,13 @@ def format_checkpoints(report: EngineDemoReport) -> list[str]:
         [("mode", "<11"), ("prompt tok", ">10"), ("computed cold", ">13"),
          ("computed restored", ">17"), ("restored", ">9"), ("cold s", ">7.2f"),
          ("restored s", ">10.2f"), ("identical", ">9")],
-        [(MODE_TITLES[name], c.cold.prompt_tokens, c.computed_cold, c.computed_restored,
+        [(mode_title(name), c.cold.prompt_tokens, c.computed_cold, c.computed_restored,
           c.restored_tokens, c.cold.seconds, c.restored.seconds,
           "yes" if c.outputs_identical else "NO")
          for name, c in report.checkpoints.items()])
-    missed = [f"{MODE_TITLES[n]} {c.restored.num_cached_tokens.count(0)}"
+    missed = [f"{mode_title(n)} {c.restored.num_cached_tokens.count(0)}"
               for n, c in report.checkpoints.items() if not c.every_request_restored]
-    unflushed = [MODE_TITLES[n] for n, c in report.checkpoints.items() if not c.flushed]
+    unflushed = [mode_title(n) for n, c in report.checkpoints.items() if not c.flushed]
     lines.append("")
     lines.append("every follow-up restored its earlier turn: "
                  + ("yes" if not missed else f"NO (not restored: {', '.join(missed)})"))
@@ -82,7 +83,7 @@ def format_checkpoints(report: EngineDemoReport) -> list[str]:
         lines.append(f"exports still unwritten when an engine stopped: {', '.join(unflushed)}")
     lines.append("times are wave 2's generate() alone (prefill and "
                  f"{o.max_new_tokens} decoded tokens per request), engine start-up excluded")
-    rec = report.checkpoints.get("recovery")
+    rec = report.checkpoints.get(StateMode.RECOVERY)
     if o.fused_commit and rec is not None:
         lines.append(
             f"recovery with the connector: commit fused in {rec.fused_steps} steps; "

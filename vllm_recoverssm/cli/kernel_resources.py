@@ -1,10 +1,10 @@
 """``recoverssm kernel-resources``: what nvcc gives each CUDA kernel, without a GPU.
 
-Compiles the CUDA verify and commit (``csrc/``) for one architecture with the flags of the
-library's own build and prints, per kernel instantiation, its registers, spilled bytes,
-stack, static shared memory and the blocks of one SM they leave room for. Needs nvcc
-(``$NVCC``, ``PATH`` or ``$CUDA_HOME``), not a GPU. Exit codes: 0 printed, 1 no nvcc or a
-source that does not compile, 2 bad arguments.
+Compiles the CUDA verify and commit (``vllm_recoverssm/ops/csrc/``) for one architecture
+with the flags of the library's own build and prints, per kernel instantiation, its
+registers, spilled bytes, stack, static shared memory and the blocks of one SM they leave
+room for. Needs nvcc (``$NVCC``, ``PATH`` or ``$CUDA_HOME``), not a GPU. Exit codes: 0
+printed, 1 no nvcc or a source that does not compile, 2 bad arguments.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..config.state_mode import StateMode
 from .args import Choice, Directory, Float, Int
 from .text import table
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"GLM-5.3-Flash ({where}): {prompts} prompts x {args.new_tokens} tokens, "
           f"S = {args.num_spec}, tensor parallel {args.tp}, float32; transformers' greedy "
           "generate is the reference")
-    rows = [("recovery" if r.recovery else "full-state", "yes" if r.same_tokens else "NO",
+    rows = [(StateMode.of(r.recovery).label, "yes" if r.same_tokens else "NO",
              r.acceptance, r.worst_gap) for r in results]
     for line in table([("mode", "<10"), ("tokens = transformers'", ">22"),
                        ("acceptance", ">10.1%"), ("worst log-prob gap", ">18.2e")], rows):

@@ -5,10 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from ..config.state_mode import StateMode
+
 _ALIGN_WIDTH = re.compile(r"[<>^]?\d*")
 
-MODE_TITLES = {"recovery": "recovery", "full_state": "full-state"}
-"""How a report names each mode."""
+
+def mode_title(name: str) -> str:
+    """How a report names a state mode (``name`` itself when it is not one)."""
+    try:
+        return StateMode.parse(name).label
+    except ValueError:
+        return name
 
 
 def mib(n: float) -> str:

@@ -32,8 +32,11 @@ from .models import (
     load_hf_config,
     model_spec_from_hf_config,
 )
+from .state_mode import STATE_MODES, StateMode
 
 __all__ = [
+    "STATE_MODES",
+    "StateMode",
     "COMMIT_MODES",
     "DEFAULT_COMMIT",
     "CommitMode",

@@ -30,10 +30,10 @@ raises :class:`IneligibleError` listing every failing condition; ``off`` keeps f
 speculative states (``--no-use-replayssm``).
 
 Architecture names are vLLM 0.32's registry keys
-(``vllm/model_executor/models/registry.py``: ``Glm5NextForCausalLM`` line 121,
-``Glm5NextForConditionalGeneration`` 423, ``KimiLinearForCausalLM`` 142,
-``KimiK3ForConditionalGeneration`` 474, ``Qwen3NextForCausalLM`` 112); speculative
-methods are ``SpeculativeMethod`` in ``vllm/config/speculative.py:38-83``.
+(``vllm/model_executor/models/registry.py``: ``Glm5NextForCausalLM``,
+``Glm5NextForConditionalGeneration``, ``KimiLinearForCausalLM``,
+``KimiK3ForConditionalGeneration``, ``Qwen3NextForCausalLM``); speculative
+methods are ``SpeculativeMethod`` in ``vllm/config/speculative.py``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ RECOVERY_ACTIVATION_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
 OPT_IN_ARCHITECTURES = KIMI_ARCHITECTURES + QWEN3_NEXT_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = AUTO_ARCHITECTURES + OPT_IN_ARCHITECTURES
 
-# vLLM 0.32 MTPModelTypes (vllm/config/speculative.py:38-66): all are normalised to "mtp".
+# vLLM 0.32 MTPModelTypes (vllm/config/speculative.py): all are normalised to "mtp".
 MTP_METHODS: frozenset[str] = frozenset({
     "mtp", "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
     "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
@@ -67,7 +67,7 @@ MTP_METHODS: frozenset[str] = frozenset({
     "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
     "inkling_mtp", "glm5_next_mtp",
 })
-# The rest of SpeculativeMethod (vllm/config/speculative.py:67-83).
+# The rest of SpeculativeMethod (vllm/config/speculative.py).
 OTHER_SPEC_METHODS: frozenset[str] = frozenset({
     "ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle",
     "eagle3", "extract_hidden_states", "dflash", "ngram_gpu", "dspark",

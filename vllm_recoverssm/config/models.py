@@ -10,7 +10,7 @@ Linear-attention layers are described in vLLM's terms (``MambaStateShapeCalculat
 ``vllm/model_executor/layers/mamba/mamba_utils.py``): ``linear_num_heads`` value heads of
 ``linear_head_dim`` (the recurrent state is ``[heads, V, K]``), ``linear_num_k_heads`` key
 heads of ``linear_k_head_dim``; the conv channels are ``H*V + 2*Hk*K``
-(``kda_state_shape`` lines 304-328, ``gated_delta_net_state_shape`` 280-302). For KDA the
+(``kda_state_shape``, ``gated_delta_net_state_shape``). For KDA the
 key and value heads are the same.
 """
 
@@ -44,7 +44,7 @@ class AttentionSpec(BaseModel):
     sparse-indexer key cache of ``index_head_dim + index_head_dim // 128 * 4`` bytes
     (FP8 values plus one FP32 scale per 128) per ``index_kpool`` tokens, plus a small
     per-request tail ring of raw BF16 keys and gate scores
-    (``vllm/models/glm5next/common/attention.py:79-185, 251-265``).
+    (``vllm/models/glm5next/common/attention.py``).
     ``gqa``: K and V of ``max(1, num_kv_heads // tp)`` heads of ``head_dim`` per rank.
     """
 
@@ -83,7 +83,7 @@ class AttentionSpec(BaseModel):
         """Per-request indexer tail ring of one layer (``Glm5NextTailCache``); 0 if none.
 
         ``ring = kpool * next_pow2(ceil((kpool + S) / kpool))`` slots of raw BF16 K and
-        gate score (``attention.py:156-178``).
+        gate score (``attention.py``).
         """
         if self.index_head_dim == 0 or self.index_kpool <= 1:
             return 0
@@ -147,27 +147,27 @@ GLM_5_3 = ModelSpec(
     kind="kda",
     # transformers 5.19 Glm5NextTextConfig (checkpoint zai-org/GLM-5.3-Flash),
     # models/glm5_next/configuration_glm5_next.py:
-    num_layers=45,  # num_hidden_layers, line 105
-    # default layer_types: KDA where idx % 4 != 3 (lines 164-169) -> 34 KDA + 11 DSA/MLA
+    num_layers=45,  # num_hidden_layers
+    # default layer_types: KDA where idx % 4 != 3 -> 34 KDA + 11 DSA/MLA
     num_linear_layers=34,
     num_attention_layers=11,
-    linear_num_heads=64,  # linear_num_heads, line 144
-    linear_head_dim=128,  # linear_head_dim, line 143
+    linear_num_heads=64,  # linear_num_heads
+    linear_head_dim=128,  # linear_head_dim
     linear_num_k_heads=64,  # KDA: key heads == value heads
     linear_k_head_dim=128,
-    conv_kernel=4,  # linear_conv_kernel_dim, line 145
-    lower_bound=-5.0,  # linear_lower_bound, line 146
+    conv_kernel=4,  # linear_conv_kernel_dim
+    lower_bound=-5.0,  # linear_lower_bound
     attention=AttentionSpec(
         kind="mla",
-        kv_lora_rank=512,  # kv_lora_rank, line 112
-        qk_rope_head_dim=0,  # qk_rope_head_dim, line 114 (NoPE)
-        index_head_dim=128,  # index_head_dim, line 135
-        index_kpool=16,  # index_kpool, line 152 (the fork's 300B checkpoint ships 4)
+        kv_lora_rank=512,  # kv_lora_rank
+        qk_rope_head_dim=0,  # qk_rope_head_dim (NoPE)
+        index_head_dim=128,  # index_head_dim
+        index_kpool=16,  # index_kpool (the fork's 300B checkpoint ships 4)
     ),
     # one MTP layer (MLA, never KDA): num_nextn_predict_layers=1 in the
-    # local-inference-lab/vllm fork config; vllm/models/glm5next/common/model.py:368-371
+    # local-inference-lab/vllm fork config; vllm/models/glm5next/common/model.py
     num_mtp_layers=1,
-    max_model_len=1048576,  # max_position_embeddings, line 122
+    max_model_len=1048576,  # max_position_embeddings
     source="transformers 5.19 Glm5NextTextConfig defaults (zai-org/GLM-5.3-Flash)",
 )
 
@@ -203,7 +203,7 @@ QWEN3_NEXT_80B_A3B = ModelSpec(
     kind="gdn",
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json; apart from the context length these
     # are also the defaults of transformers' Qwen3NextConfig
-    # (models/qwen3_next/configuration_qwen3_next.py:92-136):
+    # (models/qwen3_next/configuration_qwen3_next.py):
     num_layers=48,  # "num_hidden_layers": 48
     # "full_attention_interval": 4 -> every 4th layer full attention: 36 GDN + 12
     num_linear_layers=36,

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..vllm_plugin.run_engine import EngineReport, EngineRun, Prompt, run_in_subprocess
-from ..vllm_plugin.spec_decode.oracle import write_oracle
 from .hf_glm53 import TinyFlash, greedy_in_subprocess
+from .oracle_drafter import write_oracle
+from .run_engine import EngineReport, EngineRun, Prompt, run_in_subprocess
 
 FLASH_ENGINE: dict[str, Any] = {
     "load_format": "auto", "dtype": "float32", "skip_tokenizer_init": False,

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .api import CommitPlan
+from .plan import CommitPlan
 from .validation import (
     INDEX_DTYPES,
     check_index_range,

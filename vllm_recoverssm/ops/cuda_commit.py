@@ -1,28 +1,22 @@
-"""The CUDA commit (``csrc/kda_commit.cu``): every layer's accepted tokens in one launch.
+"""The CUDA commit (``ops/csrc/kda_commit.cu``): every layer's accepted tokens in one launch.
 
 It is written to give :func:`.triton_kda.commit_triton`'s states bit for bit (the same
 instructions for the gate, the key norm and the update; a ``gpu`` test compares them), and
-reads the same per-layer address tables (:class:`.triton_kda.CommitTables`).
-:func:`.triton_kda.commit_kernel` takes it where :func:`preferred` says it was the faster
-on an H200. It lives in the library of :mod:`.cuda_window` and applies where that builds,
-for K = V = 128, a bounded gate, bfloat16 or float32 records, int32 indices and 16-byte
-aligned pools.
+reads the same per-layer address tables (:class:`.plan.CommitTables`).
+:func:`.backends.commit_kernel` takes it where :func:`preferred` says it is the faster.
+It lives in the library of :mod:`.cuda_window` and applies where that builds, for
+K = V = 128, a bounded gate, bfloat16 or float32 records, int32 indices and 16-byte
+aligned pools. :data:`ROWS_PER_BLOCK` (the block sizes it is built for) is
+:data:`.tuning.CUDA_COMMIT_ROWS`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import cuda_window
-from .api import CommitPlan
-
-if TYPE_CHECKING:
-    from .triton_kda import CommitTables
-
-ROWS_PER_BLOCK = (16, 32, 64)
-"""State rows one block of the kernel replays (of one request, layer and head)."""
+from .plan import CommitPlan, CommitTables
+from .tuning import CUDA_COMMIT_ROWS as ROWS_PER_BLOCK
 
 
 def applies(state: torch.Tensor, kg: torch.Tensor, lower_bound: float | None,
@@ -33,22 +27,14 @@ def applies(state: torch.Tensor, kg: torch.Tensor, lower_bound: float | None,
 
 
 MIN_COLUMNS = 8
-"""Window length (S + 1) from which the CUDA commit is preferred. On an H200 (``python -m
-vllm_recoverssm.bench.tune --ops commit_all,commit_2``, 2026-12-05), with all 8 tokens of
-S = 7 accepted it took 0.85-0.88 of the Triton commit's time at a batch of 128-256
-(32 heads, one layer), from sharing each record's key norm and decay over a block's rows;
-with 2 accepted 1.005-1.017; at S = 3 it was nowhere faster (1.00-1.13)."""
+"""Window length (S + 1) from which the CUDA commit is preferred: it shares each record's
+key norm and decay over a block's rows, which pays off only with many tokens accepted
+(``python -m vllm_recoverssm.bench.tune --ops commit_all,commit_2``; timings in
+``docs/bench``)."""
 MIN_PROGRAMS = 1024
 """(request, layer, head) triples from which the CUDA commit is preferred: a batch of 32 with
-one layer of 32 heads, or any batch with the 34 layers of GLM-5.3. On an H100 with the
-blocks launched heads before requests (``python -m vllm_recoverssm.bench.tune --ops
-commit_all,commit_2 --batch 16,32,48,64``, 2026-12-06,
-docs/bench/h100-2026-12-06-commit-tune.txt), S = 7 at 32 rows took 0.86-0.91 of the Triton
-commit's time with all 8 tokens accepted from a batch of 32 and 1.01 with 2; at a batch of
-16 (512 triples) 0.95-0.97 and 1.03-1.06, and at a batch of 8
-(h100-2026-12-06-grid-order.txt, 16 rows) 1.04 and 1.11. (On an H200 with requests first,
-2026-12-05, the threshold was 4096: there the CUDA commit took 1.04-1.16 of the time with 2
-accepted at a batch of 8-32.)"""
+one layer of 32 heads, or any batch with the 34 layers of GLM-5.3. Below it the Triton
+commit was level or faster (timings in ``docs/bench``)."""
 
 
 def preferred(ncols: int, programs: int) -> bool:
@@ -61,11 +47,8 @@ def rows_per_block(rows: int, layer_heads: int) -> int:
     """Rows per block for ``rows`` requests over ``layer_heads`` (layer, head) pairs.
 
     Short blocks fill the SMs at small batches; at large ones longer blocks share their
-    per-block record work over more rows (H200, S = 7, one layer of 32 heads: 32 rows took
-    0.85 / 0.88 of the Triton commit's time at a batch of 128 / 256, 16 rows 0.90 / 0.94,
-    64 rows 0.93). On an H100 with heads before requests, at a batch of 32, 16 rows were 3%
-    faster with all 8 tokens accepted and 4% slower with 2; from 48, 32 rows were level or
-    faster, so the commit takes 32 rows wherever :func:`preferred` takes it.
+    per-block record work over more rows, so the commit takes 32 rows wherever
+    :func:`preferred` takes it (timings in ``docs/bench``).
     """
     return 16 if rows * layer_heads < MIN_PROGRAMS else 32
 

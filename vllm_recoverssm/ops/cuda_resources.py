@@ -1,6 +1,6 @@
 """What the CUDA compiler gives each kernel of the CUDA library, without a GPU.
 
-The CUDA verify and commit (``csrc/``) are built on the serving machine, at first use, for
+The CUDA verify and commit (``ops/csrc/``) are built on the serving machine, at first use, for
 its GPU; a build that fails, or a change that pushes a kernel into spilling or out of the
 blocks per SM it was tuned for, shows up there only as a warning or as lost speed. This
 module compiles the same sources with the same flags for a named architecture (nvcc alone:
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 THREADS_PER_BLOCK = 128
-"""Both kernels run 4 warps per block (``kThreads`` and ``kCommitThreads`` in ``csrc/``)."""
+"""Both kernels run 4 warps per block (``kThreads`` and ``kCommitThreads`` in ``ops/csrc/``)."""
 REGISTER_ALLOCATION_UNIT = 256
 """Registers are given to a warp in multiples of this many."""
 RESERVED_SMEM_PER_BLOCK = 1024
@@ -98,7 +98,7 @@ class KernelResources:
 
 
 WINDOW_MODES = {"0": "recovery", "1": "full", "2": "fused"}
-"""``window_kernel``'s MODE argument (``Mode`` in ``csrc/kda_window.cuh``)."""
+"""``window_kernel``'s MODE argument (``Mode`` in ``ops/csrc/kda_window.cuh``)."""
 DTYPE_NAMES = {"float": "float32", "__nv_bfloat16": "bfloat16"}
 
 

@@ -1,22 +1,24 @@
-"""The CUDA window verify (``csrc/kda_window*.cu``): built on first use, called via ctypes.
+"""The CUDA window verify (``ops/csrc/kda_window*.cu``): built on first use, called via ctypes.
 
-The same library holds the CUDA commit (``csrc/kda_commit.cu``, launched by
+The same library holds the CUDA commit (``ops/csrc/kda_commit.cu``, launched by
 :mod:`.cuda_commit`).
 
 The kernel computes what :mod:`.triton_window` computes, with the product laid out by hand
-for ``mma.sync`` (see the header of ``csrc/kda_window.cuh``). It is compiled lazily, on a
-CUDA machine only, with PyTorch's extension builder (nvcc and ninja); the sources include
-no PyTorch header, so the build takes seconds and the library does not depend on the
-PyTorch version. Anything that stops it -- no nvcc, an old GPU, a failed build -- leaves
-the Triton kernels in charge, with one warning saying why.
+for ``mma.sync`` (see the header of ``ops/csrc/kda_window.cuh``). The sources ship inside the
+package (``vllm_recoverssm/ops/csrc/``, package data of the wheel) and are compiled lazily,
+on a CUDA machine only, with PyTorch's extension builder (nvcc and ninja); they include no
+PyTorch header, so the build takes seconds and the library does not depend on the PyTorch
+version. Anything that stops it on a CUDA machine -- missing sources, no nvcc, an old GPU,
+a failed build -- leaves the Triton kernels in charge, with one warning per process
+saying why (:func:`library`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,17 @@ import torch
 
 from .triton_window import FULL, FUSED, RECOVERY, TP, WINDOW_MAX_LOG_DECAY
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+"""The CUDA sources, package data of :mod:`vllm_recoverssm.ops`."""
 SOURCES = ("kda_window_entry.cu", "kda_window_recovery.cu", "kda_window_full.cu",
            "kda_window_fused.cu", "kda_commit.cu")
 HEAD_DIM = 128
 ACT_CODES = {torch.bfloat16: 0, torch.float32: 2}
 HALF_WIDTH_COLS = 4
 """Windows of at most this many columns (S <= 3) take the kernel's half-width product:
-4 token slots, half the tensor-core products (``kHalfCols`` in ``csrc/kda_window.cuh``)."""
+4 token slots, half the tensor-core products (``kHalfCols`` in ``ops/csrc/kda_window.cuh``)."""
 NVCC_FLAGS = ("-O3", "-std=c++17")
 """nvcc flags of the library's build (also :mod:`.cuda_resources`' report of it)."""
 DISABLE_ENV = "RECOVERSSM_CUDA_WINDOW"
@@ -55,20 +60,20 @@ TUNING_DEFINES: dict[str, tuple[int, int]] = {
     "RECOVERY_DEPTH": (1, 8),
 }
 """What :data:`DEFINES_ENV` may set: ``(lowest, highest)`` per name. Each is
-``RECOVERSSM_<name>`` in ``csrc/kda_window.cuh``, which holds the defaults."""
+``RECOVERSSM_<name>`` in ``ops/csrc/kda_window.cuh``, which holds the defaults."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 _c_int, _c_ll, _c_f, _p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
-# in the order of recoverssm_window_launch's parameters (csrc/kda_window_entry.cu)
+# in the order of recoverssm_window_launch's parameters (ops/csrc/kda_window_entry.cu)
 _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f, _c_f,  # mode .. scale
     _p, _p, _p, _p, _p, _p, _p, _p, _c_ll,  # q, k, v, g, beta, A_log, dt_bias, state, stride
     _p, _p, _p, _p, _c_ll, _p, _c_ll, _p,  # sidx, nacc, qsl, corr, stride, kg, stride, ridx
     _p, _c_ll, _p, _c_ll, _p, _p, _p, _p,  # pcorr, stride, pkg, stride, pridx, plen, out, stream
 ]
-# in the order of recoverssm_commit_launch's parameters (csrc/kda_commit.cu)
+# in the order of recoverssm_commit_launch's parameters (ops/csrc/kda_commit.cu)
 _COMMIT_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_f,  # act_dtype .. lower_bound
     _p, _p, _p, _p, _p, _p, _p, _p,  # state, corr, kg tables and strides, A_log, dt_bias
@@ -142,7 +147,12 @@ def _build(defines: tuple[tuple[str, int], ...]) -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The built library, or None (and a warning, once) where it cannot be had.
+    """The built library, or None where it cannot be had.
+
+    On a CUDA machine (of SM80 or newer, the library not turned off by :data:`DISABLE_ENV`)
+    that cannot have it -- sources missing, no nvcc, a failed build -- the first call logs
+    one warning that says why and that the Triton kernels run instead; the answer is
+    cached for the process, so no later call warns again.
 
     :data:`DEFINES_ENV` is read at the first call; a value :func:`parse_defines` refuses
     raises its ``ValueError`` (a tuning run must not time the Triton fallback unawares).
@@ -159,16 +169,18 @@ def library() -> ctypes.CDLL | None:
             why = "no CUDA device"
         elif torch.cuda.get_device_capability() < (8, 0):
             why = "the tf32 tensor-core product needs SM80 or newer"
-        elif not all((CSRC / s).is_file() for s in SOURCES):
-            why = f"sources not found under {CSRC.name}/"
+        elif missing := [s for s in SOURCES if not (CSRC / s).is_file()]:
+            why = (f"CUDA sources {', '.join(missing)} not found under {CSRC} (an install "
+                   "without the package data of vllm_recoverssm/ops/csrc)")
         else:
             try:
                 lib = _build(defines)
             except Exception as exc:  # noqa: BLE001 - any build failure means "use Triton"
                 why = f"build failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
         if lib is None and why not in ("no CUDA device", f"{DISABLE_ENV}=0"):
-            warnings.warn(f"vllm-recoverssm: CUDA window verify unavailable, using Triton: {why}",
-                          RuntimeWarning, stacklevel=3)
+            # the result is cached below, so this is the process's only such warning
+            logger.warning("vllm-recoverssm: the CUDA window verify and CUDA commit are "
+                           "unavailable, the Triton kernels run instead: %s", why)
         _state["lib"] = lib
         _state["why"] = why
         return lib

@@ -1,7 +1,9 @@
-"""PyTorch reference for the KDA recurrence and its speculative-decoding state operations.
+"""The oracle: the KDA recurrence and its speculative-decoding state operations in PyTorch.
 
-This module is the oracle for every kernel: it runs on any device and in float32 or
-float64, one token at a time, in the arithmetic order of ``../DESIGN.md`` section 2.
+Every kernel (Triton, CUDA, b12x's adapter) has its twin here and is tested against it;
+the public operations (:mod:`.api`) also run it for ``backend="reference"`` and for
+tensors off CUDA. It runs on any device and in float32 or float64, one token at a time, in
+the arithmetic order of ``../DESIGN.md`` section 2.
 Layouts (shared with the Triton kernels):
 
 * tokens are flat and variable-length: ``q, k, raw_g: [T, H, K]``, ``v: [T, H, V]``,

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .api import CommitPlan
-from .triton_kda import TL_DTYPES
+from .plan import CommitPlan
+from .triton_math import TL_DTYPES
 
 
 @triton.jit

@@ -5,7 +5,7 @@ against the checkpoint in one tensor-core product and is used wherever it applie
 bounded gate, SM80 or newer, or the interpreter); the serial kernel here runs the token
 recurrence in registers and serves every other gate. Both read the checkpoint once and
 have a ``FUSED`` form that first replays the previous step's accepted records (the
-deferred commit). :func:`verify_kernel` says which one a call gets.
+deferred commit). :func:`.backends.verify_kernel` says which one a call gets.
 
 The serial kernel is straight-line code: the token loop is unrolled over the S+1 columns
 with masked loads (no per-token branches), which lets all of a program's loads be issued
@@ -13,8 +13,7 @@ up front instead of paying one memory latency per token. Tokens past a request's
 run as no-ops (decay 1, correction 0). Each program owns a [BV, K] tile of one head's
 state (K contiguous), held as two [BV, K/2] chunks, which spreads a row over half as many
 lanes: the chunks' products are added in registers and one reduction with one shuffle
-level less follows (H200: recovery verify at batch 256 from 0.442 to 0.31 ms at S=3 and
-from 0.849 to 0.64 ms at S=7 against one chunk).
+level less follows (measurably faster than one chunk; the numbers are in ``docs/bench``).
 
 Commit has three token loops (:func:`commit_loop` picks one by batch and window): a
 runtime loop, where rejected tokens cost nothing and the other programs of an SM hide each
@@ -33,10 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_commit, cuda_window
+from . import cuda_commit, cuda_window, tuning
 from . import triton_window as win
-from .api import CommitPlan
-from .triton_math import gate, sumsq
+from .backends import commit_kernel, verify_kernel
+from .plan import CommitPlan, CommitTables
+from .triton_math import TL_DTYPES, gate, sumsq
+from .validation import check_head_dims, check_kernel_state
 
 
 @triton.jit
@@ -374,40 +375,15 @@ def _commit_kernel(
             tl.store(state_ptr + dst * s_stride + tile + KC, s1)
 
 
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-"""Torch dtypes the kernels read and write, with their Triton names."""
-
-# Overrides for tuning experiments and tests; None = the measured heuristics below.
-TILE_OVERRIDE: tuple[int, int, int] | None = None
-"""Serial verify: (block_v, num_warps, K chunks of 1 or 2)."""
-WINDOW_TILE_OVERRIDE: tuple[int, int, int, int] | None = None
-"""Window verify: (block_v, chunks per program, num_warps, num_stages)."""
-COMMIT_TILE_OVERRIDE: tuple[int, int, int] | None = None
-"""Commit: (block_v, num_warps, K chunks of 1 or 2)."""
-COMMIT_LOOP_OVERRIDE: str | None = None
-"""Commit: one of :data:`COMMIT_LOOPS` instead of :func:`commit_loop`'s choice."""
-COMMIT_LOOPS = ("runtime", "unrolled", "prefetch")
-VERIFY_KERNEL_OVERRIDE: str | None = None
-"""``"cuda"``, ``"window"`` or ``"serial"`` instead of :func:`verify_kernel`'s choice."""
-VERIFY_KERNELS = ("cuda", "window", "serial")
-CUDA_ROWS_OVERRIDE: int | None = None
-"""CUDA window kernel: rows per warp, 16 or 32."""
-COMMIT_KERNEL_OVERRIDE: str | None = None
-"""``"cuda"`` or ``"triton"`` instead of :func:`commit_kernel`'s choice."""
-COMMIT_KERNELS = ("cuda", "triton")
-CUDA_COMMIT_ROWS_OVERRIDE: int | None = None
-"""CUDA commit: rows per block, one of :data:`.cuda_commit.ROWS_PER_BLOCK`."""
-
-
 def _serial_tile(K: int, V: int) -> tuple[int, int, int]:
     """(block_v, num_warps, K chunks) of the serial verify.
 
-    One warp on 16 rows held as two K-chunks was the fastest tile at every batch from 1
-    to 256 measured on an H200 (H=32, K=V=128, S = 3 and 7; against 8..128 rows, 1..8
-    warps, one or two chunks).
+    One warp on 16 rows held as two K-chunks was the fastest tile at every batch measured
+    (against 8..128 rows, 1..8 warps, one or two chunks).
     """
-    if TILE_OVERRIDE is not None:
-        return TILE_OVERRIDE
+    forced = tuning.current().serial_tile
+    if forced is not None:
+        return forced
     return min(16, V), 1, (2 if K >= 32 else 1)
 
 
@@ -417,10 +393,11 @@ def window_tile(rows: int, heads: int, V: int) -> tuple[int, int, int, int]:
 
     Small batches take short tiles so that enough programs fill the SMs; larger ones let
     a program loop over more rows, which shares one head's probe and coupling work (the
-    fastest of the tiles ``python -m vllm_recoverssm.bench.tune`` timed on an H200).
+    fastest of the tiles ``python -m vllm_recoverssm.bench.tune`` timed).
     """
-    if WINDOW_TILE_OVERRIDE is not None:
-        return WINDOW_TILE_OVERRIDE
+    forced = tuning.current().window_tile
+    if forced is not None:
+        return forced
     if rows * heads <= 64:
         return min(32, V), 1, 4, 1
     bv = min(64, V)
@@ -433,10 +410,10 @@ def commit_tile(rows: int, layer_heads: int, K: int, V: int, ncols: int
     heads and windows of ``ncols`` tokens: one warp on 16 rows held as two K-chunks for few
     programs (and, with the unrolled loop of short windows, up to a batch of 64 at H = 32),
     on 32 rows otherwise (the fastest of 16 / 32 rows, one or two chunks, one or two warps
-    that ``python -m vllm_recoverssm.bench.tune`` timed on an H200, S = 3 and 7, batch
-    1..256, all or 2 tokens accepted)."""
-    if COMMIT_TILE_OVERRIDE is not None:
-        return COMMIT_TILE_OVERRIDE
+    that ``python -m vllm_recoverssm.bench.tune`` timed)."""
+    forced = tuning.current().commit_tile
+    if forced is not None:
+        return forced
     programs = rows * layer_heads
     if programs <= 128 or (ncols <= 4 and programs <= 2048):
         return min(16, V), 1, (2 if K >= 32 else 1)
@@ -444,19 +421,20 @@ def commit_tile(rows: int, layer_heads: int, K: int, V: int, ncols: int
 
 
 def commit_loop(rows: int, layer_heads: int, ncols: int) -> str:
-    """The commit's token loop, one of :data:`COMMIT_LOOPS`, for ``rows`` requests,
+    """The commit's token loop, one of :data:`.tuning.COMMIT_LOOPS`, for ``rows`` requests,
     ``layer_heads`` heads and windows of ``ncols`` tokens.
 
     ``"runtime"`` loads a record per token and relies on the other programs of an SM to
     hide its latency; ``"unrolled"`` requests every record up front and runs rejected
-    tokens as no-ops; ``"prefetch"`` is a runtime loop that loads two tokens ahead. On an
-    H200 (``python -m vllm_recoverssm.bench.tune``): at a batch of one the prefetch loop
-    was fastest; for windows of up to 4 tokens the unrolled loop (no-ops are few); for
-    longer windows the prefetch loop up to a batch of 64, and the runtime loop above,
+    tokens as no-ops; ``"prefetch"`` is a runtime loop that loads two tokens ahead. As
+    ``python -m vllm_recoverssm.bench.tune`` timed them: with few programs the prefetch loop
+    is fastest; for windows of up to 4 tokens the unrolled loop (no-ops are few); for
+    longer windows the prefetch loop up to mid-size batches, and the runtime loop above,
     where the prefetch buffers cost occupancy.
     """
-    if COMMIT_LOOP_OVERRIDE is not None:
-        return COMMIT_LOOP_OVERRIDE
+    forced = tuning.current().commit_loop
+    if forced is not None:
+        return forced
     programs = rows * layer_heads
     if programs <= 64:
         return "prefetch"
@@ -470,75 +448,20 @@ def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY,
     """Rows per warp of the CUDA window kernel in ``mode`` for windows of ``ncols`` tokens:
     16 (two blocks per head) or 32 (one block per head).
 
-    Read off ``python -m vllm_recoverssm.bench.tune --variants cuda/`` on an H200 at H = 32.
-    The recovery verify of windows of at most 4 tokens (the kernel's half-width product)
-    was faster at 16 rows from batch 1 to 128 (5% at 32) and level at 256; of longer
-    windows, faster at 16 rows up to batch 8, level at 32 and 11-14% slower from 128
-    (16 rows up to batch 16 keeps the 11% gain measured there before the rows were
-    streamed). The fused verify of half-width windows was 0-5% faster at 16 rows at batch
-    16 and 32 and 3-10% slower from 64; the other fused and full-state verifies take 16
-    rows only up to batch 4 (at batch 8, 24-32% slower)."""
-    if CUDA_ROWS_OVERRIDE is not None:
-        return CUDA_ROWS_OVERRIDE
+    Read off ``python -m vllm_recoverssm.bench.tune --variants cuda/`` (the timings are in
+    ``docs/bench``). Short blocks fill the SMs at small batches: the recovery verify of
+    half-width windows (at most 4 tokens) takes 16 rows at every batch, longer windows up
+    to a few hundred (request, head) pairs; the fused verify of half-width windows takes 16
+    rows in a middle band of batches, the other fused and full-state verifies only at the
+    smallest ones."""
+    forced = tuning.current().cuda_rows
+    if forced is not None:
+        return forced
     if ncols <= cuda_window.HALF_WIDTH_COLS and (
             mode == win.RECOVERY or (mode == win.FUSED and 512 <= rows * heads < 2048)):
         return 16
     limit = 512 if mode == win.RECOVERY else 128
     return 16 if rows * heads <= limit else 32
-
-
-def verify_kernel(lower_bound: float | None, ncols: int, state: torch.Tensor,
-                  q: torch.Tensor | None = None,
-                  index_tensors: tuple[torch.Tensor | None, ...] = (),
-                  vector_tensors: tuple[torch.Tensor | None, ...] = ()) -> str:
-    """Which verify kernel a call gets: ``"cuda"``, ``"window"`` or ``"serial"``.
-
-    The CUDA window kernel where it applies and builds (SM80+, K = V = 128, bf16 or fp32
-    activations, int32 indices, a bounded gate), else the Triton window kernel where that
-    applies, else the serial one. The choice depends only on the gate, the shapes, the
-    dtypes and the device, so a step's full-state and recovery verifies always run the
-    same arithmetic.
-    """
-    device = state.device
-    window = win.window_supported(lower_bound, ncols, device)
-    if VERIFY_KERNEL_OVERRIDE is not None:
-        if VERIFY_KERNEL_OVERRIDE not in VERIFY_KERNELS:
-            raise ValueError(f"VERIFY_KERNEL_OVERRIDE: expected one of {VERIFY_KERNELS}, "
-                             f"got {VERIFY_KERNEL_OVERRIDE!r}")
-        if VERIFY_KERNEL_OVERRIDE != "serial" and not window:
-            raise ValueError("argument 'lower_bound': the window kernels need a bounded gate "
-                             f"with |lower_bound| * (S+1) <= {win.WINDOW_MAX_LOG_DECAY}")
-        return VERIFY_KERNEL_OVERRIDE
-    if not window:
-        return "serial"
-    # alignment and index dtypes are the caller's layout, the same for a step's full-state
-    # and recovery calls
-    if q is not None and cuda_window.applies(q, state, lower_bound, ncols, index_tensors,
-                                             vector_tensors) \
-            and cuda_window.library() is not None:
-        return "cuda"
-    return "window"
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 64 == 0 and t.stride(0) % 16 == 0
-
-
-def _check_kernel_dtypes(state: torch.Tensor) -> None:
-    if state.dtype != torch.float32:
-        raise ValueError(
-            f"argument 'state': the Triton kernels expect float32 state, got {state.dtype}; "
-            "use backend='reference' for float64"
-        )
-
-
-def _check_head_dims(K: int, V: int) -> None:
-    for name, d in (("K", K), ("V", V)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(
-                f"argument 'state': the Triton kernels need a power-of-two head dim {name} "
-                f">= 16, got {d}"
-            )
 
 
 Prev = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor]
@@ -553,9 +476,9 @@ def _verify_launch(
     lower_bound: float | None, record_indices: torch.Tensor | None, ncols: int,
     prev: Prev | None = None,
 ) -> torch.Tensor:
-    _check_kernel_dtypes(state)
+    check_kernel_state(state)
     _, H, V, K = state.shape
-    _check_head_dims(K, V)
+    check_head_dims(K, V)
     N = query_start_loc.shape[0] - 1
     indices = (state_indices, num_accepted, query_start_loc, record_indices,
                *((prev[2], prev[3]) if prev is not None else ()))
@@ -580,7 +503,7 @@ def _verify_launch(
     bv, warps, nch = _serial_tile(K, V)
     dummy = state_indices
     pc, pk, pr, pl = prev if prev is not None else (state, q, None, dummy)
-    # heads before requests, as the CUDA kernels (csrc/kda_window.cuh, launch_typed)
+    # heads before requests, as the CUDA kernels (ops/csrc/kda_window.cuh, launch_typed)
     _verify_kernel[(V // bv, H, N)](
         q, k, v, raw_g, raw_beta,
         A_log.float().contiguous(), dt_bias.float().contiguous(),
@@ -646,73 +569,6 @@ def verify_full_triton(
     )
 
 
-def _address_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    dev = tensors[0].device
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=dev)
-    strides = torch.tensor([t.stride(0) for t in tensors], dtype=torch.int64, device=dev)
-    return ptrs, strides
-
-
-class CommitTables:
-    """Per-layer base addresses and slot strides for the one-launch commit.
-
-    Building the tables costs a host-to-device copy; a caller that commits every step
-    into the same pools (a serving engine, a CUDA graph) builds them once and reuses them.
-    """
-
-    def __init__(
-        self, states: list[torch.Tensor], corrections: list[torch.Tensor],
-        kg: list[torch.Tensor],
-    ) -> None:
-        self.states = states
-        self.corrections = corrections
-        self.kg = kg
-        self.state_ptrs, self.state_strides = _address_table(states)
-        self.corr_ptrs, self.corr_strides = _address_table(corrections)
-        self.kg_ptrs, self.kg_strides = _address_table(kg)
-        self.aligned = all(_aligned(t) for t in (*states, *corrections, *kg))
-        self._key = self._identity(states, corrections, kg)
-
-    @staticmethod
-    def _identity(*groups: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
-        return tuple((t.data_ptr(), t.stride(0)) for g in groups for t in g)
-
-    def matches(self, states: list[torch.Tensor], corrections: list[torch.Tensor],
-                kg: list[torch.Tensor]) -> bool:
-        """Whether the tables describe exactly these pools (same addresses and strides)."""
-        return self._key == self._identity(states, corrections, kg)
-
-
-def commit_kernel(tables: CommitTables, plan: CommitPlan, lower_bound: float | None,
-                  record_indices: torch.Tensor | None) -> str:
-    """Which commit kernel a call gets: ``"cuda"`` or ``"triton"``.
-
-    :data:`COMMIT_KERNEL_OVERRIDE` where set (a forced CUDA commit that does not apply is
-    refused by name); else the CUDA commit for windows of :data:`.cuda_commit.MIN_COLUMNS`
-    or more tokens over at least :data:`.cuda_commit.MIN_PROGRAMS` (request, layer, head)
-    triples, where :func:`.cuda_commit.applies` and the library builds, and the Triton
-    commit elsewhere. Both give the same bits, so the choice never changes a state.
-    """
-    index = (plan.state_indices, plan.commit_lens, plan.final_indices,
-             plan.boundary_indices, plan.boundary_lens, record_indices)
-    if COMMIT_KERNEL_OVERRIDE is not None:
-        if COMMIT_KERNEL_OVERRIDE not in COMMIT_KERNELS:
-            raise ValueError(f"COMMIT_KERNEL_OVERRIDE: expected one of {COMMIT_KERNELS}, "
-                             f"got {COMMIT_KERNEL_OVERRIDE!r}")
-        if COMMIT_KERNEL_OVERRIDE == "cuda" and not cuda_commit.applies(
-                tables.states[0], tables.kg[0], lower_bound, tables, index):
-            raise ValueError("COMMIT_KERNEL_OVERRIDE: the CUDA commit does not apply to "
-                             "these pools, records, gate or indices")
-        return COMMIT_KERNEL_OVERRIDE
-    ncols = tables.kg[0].shape[2]
-    programs = plan.num_rows * len(tables.states) * tables.states[0].shape[1]
-    if cuda_commit.preferred(ncols, programs) and cuda_commit.applies(
-            tables.states[0], tables.kg[0], lower_bound, tables, index) \
-            and cuda_window.library() is not None:
-        return "cuda"
-    return "triton"
-
-
 def commit_triton(
     states: list[torch.Tensor], corrections: list[torch.Tensor], kg: list[torch.Tensor],
     A_log: torch.Tensor, dt_bias: torch.Tensor, plan: CommitPlan,
@@ -720,12 +576,12 @@ def commit_triton(
     tables: CommitTables | None = None,
 ) -> None:
     """One launch commits every layer (arguments as :func:`api.commit`): the CUDA commit
-    where :func:`commit_kernel` picks it, else the Triton kernel."""
-    _check_kernel_dtypes(states[0])
+    where :func:`.backends.commit_kernel` picks it, else the Triton kernel."""
+    check_kernel_state(states[0])
     if kg[0].dtype not in TL_DTYPES:
         raise ValueError(f"argument 'kg': unsupported dtype {kg[0].dtype} for the kernel")
     _, H, V, K = states[0].shape
-    _check_head_dims(K, V)
+    check_head_dims(K, V)
     L = len(states)
     N = plan.num_rows
     if N == 0:
@@ -735,13 +591,13 @@ def commit_triton(
     ncols = corrections[0].shape[2]
     if commit_kernel(tables, plan, lower_bound, record_indices) == "cuda":
         assert lower_bound is not None  # cuda_commit.applies checked it
-        rows = CUDA_COMMIT_ROWS_OVERRIDE or cuda_commit.rows_per_block(N, L * H)
+        rows = tuning.current().cuda_commit_rows or cuda_commit.rows_per_block(N, L * H)
         cuda_commit.launch(tables, A_log.float().contiguous(), dt_bias.float().contiguous(),
                            plan, lower_bound, record_indices, ncols, rows)
         return
     bv, warps, nch = commit_tile(N, L * H, K, V, ncols)
     si = plan.state_indices
-    # heads before requests, as the CUDA kernels (csrc/kda_window.cuh, launch_typed)
+    # heads before requests, as the CUDA kernels (ops/csrc/kda_window.cuh, launch_typed)
     grid = (V // bv, L * H, N)
     _commit_kernel[grid](
         tables.state_ptrs, tables.state_strides, tables.corr_ptrs, tables.corr_strides,
@@ -759,5 +615,5 @@ def commit_triton(
         HAS_BOUNDARY=plan.boundary_indices is not None,
         HAS_RIDX=record_indices is not None,
         EPS=1e-6, KG_DTYPE=TL_DTYPES[kg[0].dtype], ALIGNED=tables.aligned,
-        LOOP=COMMIT_LOOPS.index(commit_loop(N, L * H, ncols)), num_warps=warps,
+        LOOP=tuning.COMMIT_LOOPS.index(commit_loop(N, L * H, ncols)), num_warps=warps,
     )

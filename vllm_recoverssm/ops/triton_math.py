@@ -1,4 +1,4 @@
-"""Triton helpers shared by every KDA kernel: the gate, the key norm and one state update.
+"""Triton helpers shared by every kernel: the dtype table, the gate, the key norm, one update.
 
 Commit, the full-state verify and the fused verify all rebuild states from the same
 records, and a commit is bit-for-bit equal to the full-state column only if each of them
@@ -13,8 +13,12 @@ to the last bit.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+"""Torch dtypes the kernels read and write, with their Triton names."""
 
 
 @triton.jit

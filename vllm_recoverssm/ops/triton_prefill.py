@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kda import TL_DTYPES
-from .triton_math import gate, unit
+from .triton_math import TL_DTYPES, gate, unit
 
 
 @triton.jit

@@ -266,7 +266,7 @@ def launch_window(
     bv, nchunk, warps, stages = tile
     dummy = state_indices
     pc, pk, pr, pl = prev if prev is not None else (state, q, None, dummy)
-    # heads before requests, as the CUDA kernels (csrc/kda_window.cuh, launch_typed)
+    # heads before requests, as the CUDA kernels (ops/csrc/kda_window.cuh, launch_typed)
     _window_kernel[(V // (bv * nchunk), H, N)](
         q, k, v, raw_g, raw_beta,
         A_log.float().contiguous(), dt_bias.float().contiguous(),

@@ -147,3 +147,137 @@ def check_token_inputs(
     check_tensor("dt_bias", dt_bias, dtypes=(torch.float32, torch.float64), shape=[H, K],
                  device=dev, contiguous=True)
     return T, H, K, V
+
+
+def check_step_values(name: str, t: torch.Tensor, lo: int, hi: int) -> None:
+    """Every value of a per-request count lies in ``lo..hi`` (reads the tensor back)."""
+    if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+        raise ValueError(f"argument '{name}': expected values in {lo}..{hi}, got {t.tolist()}")
+
+
+def check_lower_bound(lower_bound: float | None) -> float | None:
+    """The bounded gate's bound is negative; None selects the softplus gate."""
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(
+            f"argument 'lower_bound': expected a negative bound or None, got {lower_bound}"
+        )
+    return lower_bound
+
+
+def as_layer_list(name: str, x: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor (one layer) or a non-empty sequence of them (one per layer), as a list."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    out = list(x)
+    if not out:
+        raise ValueError(f"argument '{name}': expected at least one layer, got none")
+    return out
+
+
+def check_record_pool(
+    corr_name: str, kg_name: str, corrections: torch.Tensor, kg: torch.Tensor,
+    state: torch.Tensor, act_dtype: torch.dtype, H: int, K: int, V: int, window: int = 0,
+) -> tuple[int, int]:
+    """Shapes of a record pool ``[R, H, W, V]`` + ``[R, H, W, 2K]``; returns (W, R)."""
+    dev = state.device
+    check_tensor(corr_name, corrections, dtypes=(state.dtype,), device=dev)
+    if corrections.dim() != 4 or corrections.shape[1] != H or corrections.shape[3] != V:
+        raise ValueError(
+            f"argument '{corr_name}': expected shape [R, {H}, S+1, {V}], got "
+            f"{list(corrections.shape)}"
+        )
+    W = corrections.shape[2]
+    check_num_spec(corr_name, W)
+    if window and W != window:
+        raise ValueError(
+            f"argument '{corr_name}': expected a window of {window} columns like the new "
+            f"records, got {W}"
+        )
+    check_inner_contiguous(corr_name, corrections, 3)
+    R = corrections.shape[0]
+    check_tensor(kg_name, kg, dtypes=(act_dtype,), shape=[R, H, W, 2 * K], device=dev)
+    check_inner_contiguous(kg_name, kg, 3)
+    return W, R
+
+
+def check_records(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor,
+    raw_beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+    corrections: torch.Tensor, kg: torch.Tensor,
+) -> tuple[int, int, int, int, int, int]:
+    """One layer's tensors of a recovery verify (metadata only, no device reads): the token
+    inputs, the state pool and the record pool; returns (T, H, K, V, W, R)."""
+    T, H, K, V = check_token_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state)
+    W, R = check_record_pool("corrections", "kg", corrections, kg, state, q.dtype, H, K, V)
+    return T, H, K, V, W, R
+
+
+def check_rows(name: str, pool: str, rows: torch.Tensor | None, N: int, R: int,
+               dev: torch.device) -> None:
+    """``rows`` is ``[N]`` in ``0..R-1`` (negative: none), or None (row ``i``: R >= N)."""
+    if rows is None:
+        if R < N:
+            raise ValueError(
+                f"argument '{pool}': expected at least {N} record rows (one per "
+                f"request), got {R}"
+            )
+        return
+    check_tensor(name, rows, dtypes=INDEX_DTYPES, shape=[N], device=dev, contiguous=True)
+    check_index_range(name, rows, R, True)
+
+
+def check_slot_indices(state_indices: torch.Tensor, slots: int, device: torch.device) -> int:
+    """``state_indices`` is ``[N]`` with values in ``[0, slots)`` or null; returns N."""
+    shape = check_tensor("state_indices", state_indices, dtypes=INDEX_DTYPES, device=device,
+                         contiguous=True).shape
+    if len(shape) != 1:
+        raise ValueError(f"argument 'state_indices': expected shape [N], got {list(shape)}")
+    check_index_range("state_indices", state_indices, slots, True)
+    return int(shape[0])
+
+
+def check_conv(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor | None, activation: str | None,
+) -> None:
+    """The conv input ``[T, C]``, its state pool ``[slots, C, Kc-1+S]``, weight ``[C, Kc]``,
+    bias ``[C]`` and activation (``"silu"`` or None)."""
+    cs = check_tensor("conv_state", conv_state, dtypes=ACTIVATION_DTYPES)
+    if cs.dim() != 3:
+        raise ValueError(
+            f"argument 'conv_state': expected shape [slots, C, Kc-1+S], got {list(cs.shape)}"
+        )
+    check_inner_contiguous("conv_state", cs, 2)
+    C = cs.shape[1]
+    dev = cs.device
+    check_tensor("x", x, dtypes=(cs.dtype,), shape=[None, C], device=dev, contiguous=True)
+    w = check_tensor("weight", weight, dtypes=ACTIVATION_DTYPES, shape=[C, None], device=dev,
+                     contiguous=True)
+    if not 2 <= w.shape[1] <= cs.shape[2]:
+        raise ValueError(
+            f"argument 'weight': expected a kernel width in 2..{cs.shape[2]}, got {w.shape[1]}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=ACTIVATION_DTYPES, shape=[C], device=dev,
+                     contiguous=True)
+    if activation not in ("silu", None):
+        raise ValueError(f"argument 'activation': expected 'silu' or None, got {activation!r}")
+
+
+def check_kernel_state(state: torch.Tensor) -> None:
+    """The kernels (Triton and CUDA) keep float32 states; float64 is the reference's."""
+    if state.dtype != torch.float32:
+        raise ValueError(
+            f"argument 'state': the Triton kernels expect float32 state, got {state.dtype}; "
+            "use backend='reference' for float64"
+        )
+
+
+def check_head_dims(K: int, V: int) -> None:
+    """The kernels' tiles need power-of-two head dims of at least 16."""
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(
+                f"argument 'state': the Triton kernels need a power-of-two head dim {name} "
+                f">= 16, got {d}"
+            )

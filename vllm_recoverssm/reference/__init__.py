@@ -18,8 +18,9 @@ from .greedy import greedy_continuations
 from .model import HybridModel, build_model
 from .model_config import CPU_MODEL, GLM_TP2_MODEL, GPU_MODEL, TEST_MODEL, ModelConfig
 from .request import Request
-from .runtime import RuntimeStats, SpecRuntime
+from .runtime import SpecRuntime
 from .runtime_config import RuntimeConfig, slots_per_request
+from .stats import RuntimeStats
 from .step_inputs import FULL_STATE, MODES, RECOVERY
 
 __all__ = [

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_recoverssm.config.models import AttentionSpec, ModelSpec
+from vllm_recoverssm.config.state_mode import StateMode
 from vllm_recoverssm.state import state_bytes_per_request
 
 from .model_config import ModelConfig
@@ -64,7 +65,7 @@ def planned_state_bytes(
         model_spec(config),
         tp=1,
         num_spec=num_spec,
-        mode="recovery" if mode == RECOVERY else "full",
+        mode=StateMode.parse(mode),
         records="scratch",
         cache_mode="align" if prefix_caching else "none",
         activation_bytes=config.torch_dtype.itemsize,

@@ -33,17 +33,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_recoverssm.checkpoint import LayoutIdentity, RequestCheckpoint
 
 from .request import Request
+from .runtime_view import RuntimeView
 from .step_inputs import FULL_STATE
-
-if TYPE_CHECKING:
-    from .runtime import SpecRuntime
 
 DRAFT_LAYER = "draft"
 
@@ -57,7 +54,7 @@ LAYOUT_NAME = "reference-runtime"
 LAYOUT_VERSION = 1
 
 
-def layout_identity(runtime: SpecRuntime) -> LayoutIdentity:
+def layout_identity(runtime: RuntimeView) -> LayoutIdentity:
     """The checkpoint layout identity of ``runtime``: which bundles it may restore.
 
     The revision is a digest of the model config (sizes, dtype and weight seed), so a
@@ -86,7 +83,7 @@ def _kv_index(req: Request, num_tokens: int, block_size: int, device: torch.devi
     return (pages * block_size + pos % block_size).to(device)
 
 
-def capture_linear(runtime: SpecRuntime, req: Request) -> dict[str, dict[str, torch.Tensor]]:
+def capture_linear(runtime: RuntimeView, req: Request) -> dict[str, dict[str, torch.Tensor]]:
     """Copies of every KDA layer's ``state`` and ``conv`` history as the pools hold them now.
 
     Recovery reads the checkpoint slot (history at offset 0); full state reads column
@@ -111,7 +108,7 @@ def capture_linear(runtime: SpecRuntime, req: Request) -> dict[str, dict[str, to
 
 
 def capture_request(
-    runtime: SpecRuntime,
+    runtime: RuntimeView,
     req: Request,
     boundary: str,
     *,
@@ -152,7 +149,7 @@ def capture_request(
     return checkpoint
 
 
-def check_restorable(runtime: SpecRuntime, req: Request, checkpoint: RequestCheckpoint) -> None:
+def check_restorable(runtime: RuntimeView, req: Request, checkpoint: RequestCheckpoint) -> None:
     """``ValueError`` unless ``checkpoint`` is a prefix state of ``req`` for this model."""
     n = checkpoint.num_tokens
     if list(checkpoint.tokens) != req.prompt[:n]:
@@ -198,7 +195,7 @@ def check_restorable(runtime: SpecRuntime, req: Request, checkpoint: RequestChec
         )
 
 
-def restore_request(runtime: SpecRuntime, req: Request, checkpoint: RequestCheckpoint) -> None:
+def restore_request(runtime: RuntimeView, req: Request, checkpoint: RequestCheckpoint) -> None:
     """Write ``checkpoint`` into a just-admitted request's slot and KV pages.
 
     The runtime calls this on admission of a request queued with ``restore=`` or found in

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +33,7 @@ from vllm_recoverssm.checkpoint import (
 
 from .boundary import capture_request, check_restorable, layout_identity
 from .request import Request
-
-if TYPE_CHECKING:
-    from .runtime import SpecRuntime
+from .runtime_view import RuntimeView
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +41,7 @@ logger = logging.getLogger(__name__)
 class RuntimeCheckpoints:
     """One runtime's checkpoint store and the two calls the runtime makes into it."""
 
-    def __init__(self, runtime: SpecRuntime, config: CheckpointConfig) -> None:
+    def __init__(self, runtime: RuntimeView, config: CheckpointConfig) -> None:
         self.runtime = runtime
         self.store = CheckpointStore(config, layout_identity(runtime))
         self._looked_up: set[int] = set()

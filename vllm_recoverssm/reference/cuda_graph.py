@@ -12,15 +12,13 @@ into the next verify, run after the replay, outside the graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .model import HybridModel
+from .pools import ModelPools
 from .step_inputs import Slice, StepInputs, from_packed
-
-if TYPE_CHECKING:
-    from .runtime import SpecRuntime
-
 
 _WARM_UP_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -41,25 +39,27 @@ def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
 class DecodeGraph:
     """One captured decode forward pass for a fixed number of rows.
 
-    Construction runs the step eagerly (which also compiles and warms up the kernels)
-    and then records it, in the memory pool ``pool`` (a new one if ``None``; the runtime's
-    graphs share the first one's :attr:`pool`, since only one replays at a time);
-    :meth:`replay` returns the hidden states of later steps.
+    Construction runs ``model`` on ``first`` over ``pools`` eagerly (which also compiles
+    and warms up the kernels) and then records it, in the memory pool ``pool`` (a new one
+    if ``None``; the runtime's graphs share the first one's :attr:`pool`, since only one
+    replays at a time); :meth:`replay` returns the hidden states of later steps.
     """
 
-    def __init__(self, runtime: SpecRuntime, first: StepInputs, pool: Any = None) -> None:
-        if runtime.device.type != "cuda":
+    def __init__(self, model: HybridModel, pools: ModelPools, first: StepInputs,
+                 pool: Any = None) -> None:
+        device = model.device
+        if device.type != "cuda":
             raise ValueError(
-                f"argument 'runtime': CUDA graphs need a CUDA device, the model is on "
-                f"{runtime.device}"
+                f"argument 'model': CUDA graphs need a CUDA device, the model is on {device}"
             )
         if first.linear.num_prefill_rows:
             raise ValueError("argument 'first': only pure decode steps can be captured")
         if first.packed is None:
             raise ValueError("argument 'first': a graph refills its inputs from packed "
                              "buffers; build the step with build_step_inputs")
-        # No reference back to the runtime: the runtime holds its graphs, and a cycle would
-        # keep its state pools and the graphs' memory alive until a garbage collection.
+        # No reference to the model or pools is kept: the runtime holds its graphs, and a
+        # cycle would keep its state pools and the graphs' memory alive until a garbage
+        # collection.
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._static = first.packed.clone()
         self.static = from_packed(self._static, first.linear.mode,
@@ -67,16 +67,16 @@ class DecodeGraph:
                                   backend=first.backend)
         # The first step runs eagerly on a side stream (it also compiles and warms up every
         # kernel); it cannot be run twice, because each step moves the conv windows.
-        main = torch.cuda.current_stream(runtime.device)
-        side = _warm_up_stream(runtime.device)
+        main = torch.cuda.current_stream(device)
+        side = _warm_up_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self._pending_first: torch.Tensor | None = runtime.model(first, runtime.pools)
+            self._pending_first: torch.Tensor | None = model(first, pools)
         main.wait_stream(side)
-        torch.cuda.synchronize(runtime.device)
+        torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool):
-            self.output = runtime.model(self.static, runtime.pools)
+            self.output = model(self.static, pools)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the step ``inputs`` (same shapes as captured)."""

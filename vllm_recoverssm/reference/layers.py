@@ -189,9 +189,14 @@ class KDAMixer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, lin: LinearInputs, pools: KDALayerPools, validate: bool,
-        backend: str = "auto",
+        backend: str = "auto", verify_step: ops.VerifyPlan | None = None,
     ) -> torch.Tensor:
-        """Mixer output ``[T, hidden]``; reads and writes the state per ``lin``."""
+        """Mixer output ``[T, hidden]``; reads and writes the state per ``lin``.
+
+        ``verify_step``: the decode rows' index tensors, checked once for every layer of
+        the step (:func:`plan_decode_verify`); the verify then checks only this layer's
+        tensors.
+        """
         T = x.shape[0]
         H, D = self.heads, self.head_dim
         Td = lin.num_decode_tokens
@@ -224,6 +229,7 @@ class KDAMixer(nn.Module):
                 outs.append(ops.verify_full(
                     *args, lin.num_accepted, lin.decode_query_start_loc,
                     lower_bound=self.lower_bound, validate=validate, backend=backend,
+                    step=verify_step,
                 ))
             elif lin.fused:
                 assert pools.corrections is not None and pools.kg is not None
@@ -234,13 +240,14 @@ class KDAMixer(nn.Module):
                     lin.prev_lens, lower_bound=self.lower_bound,
                     record_indices=lin.record_indices,
                     prev_record_indices=lin.prev_record_indices, validate=validate,
-                    backend=backend,
+                    backend=backend, step=verify_step,
                 ))
             else:
                 assert pools.corrections is not None and pools.kg is not None
                 outs.append(ops.verify_recovery(
                     *args, lin.decode_query_start_loc, pools.corrections, pools.kg,
                     lower_bound=self.lower_bound, validate=validate, backend=backend,
+                    step=verify_step,
                 ))
         if lin.num_prefill_rows:
             outs.append(ops.prefill(
@@ -252,3 +259,29 @@ class KDAMixer(nn.Module):
         gate = torch.sigmoid(self.g_proj(x).view(T, H, D).float())
         o = (rms_norm(o, self.o_norm.weight).float() * gate).to(x.dtype)
         return self.o_proj(o.reshape(T, H * D))
+
+
+def plan_decode_verify(lin: LinearInputs, pools: KDALayerPools) -> ops.VerifyPlan | None:
+    """The decode rows' verify plan for every KDA layer of a step (None without decode rows).
+
+    Every layer's pools have the sizes of ``pools`` (one layer's), so the index tensors
+    checked here once hold for each layer's verify, which :meth:`KDAMixer.forward` then
+    runs with it.
+    """
+    if not lin.num_decode_rows:
+        return None
+    si, qsl, dev = lin.decode_state_indices, lin.decode_query_start_loc, pools.state.device
+    slots, tokens = pools.state.shape[0], lin.num_decode_tokens
+    if lin.mode == FULL_STATE:
+        return ops.plan_verify(si, qsl, num_slots=slots, num_tokens=tokens,
+                               window=si.shape[1], device=dev, num_accepted=lin.num_accepted)
+    assert pools.corrections is not None
+    rows, window = pools.corrections.shape[0], pools.corrections.shape[2]
+    if not lin.fused:
+        return ops.plan_verify(si, qsl, num_slots=slots, num_tokens=tokens, window=window,
+                               device=dev, record_rows=rows)
+    # the previous step's records sit in the other half of the same scratch
+    return ops.plan_verify(si, qsl, num_slots=slots, num_tokens=tokens, window=window,
+                           device=dev, record_indices=lin.record_indices, record_rows=rows,
+                           prev_lens=lin.prev_lens, prev_record_indices=lin.prev_record_indices,
+                           prev_record_rows=rows, prev_shares_pool=True)

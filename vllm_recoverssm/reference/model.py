@@ -13,7 +13,18 @@ import math
 import torch
 from torch import nn
 
-from .layers import MLP, KDAMixer, PagedAttention, RMSNorm, _init_linear, _linear, _normal_
+from vllm_recoverssm import ops
+
+from .layers import (
+    MLP,
+    KDAMixer,
+    PagedAttention,
+    RMSNorm,
+    _init_linear,
+    _linear,
+    _normal_,
+    plan_decode_verify,
+)
 from .model_config import ModelConfig
 from .pools import ModelPools
 from .step_inputs import StepInputs
@@ -40,13 +51,15 @@ class DecoderLayer(nn.Module):
         self.mlp_norm.init_weights(gen)
         self.mlp.init_weights(gen)
 
-    def forward(self, x: torch.Tensor, step: StepInputs, pools: ModelPools) -> torch.Tensor:
-        """Residual stream after this block."""
+    def forward(self, x: torch.Tensor, step: StepInputs, pools: ModelPools,
+                verify_step: ops.VerifyPlan | None = None) -> torch.Tensor:
+        """Residual stream after this block (``verify_step``: see :class:`KDAMixer`)."""
         h = self.mixer_norm(x)
         if isinstance(self.mixer, PagedAttention):
             h = self.mixer(h, step.attention, pools.attention[self.index])
         else:
-            h = self.mixer(h, step.linear, pools.kda[self.index], step.validate, step.backend)
+            h = self.mixer(h, step.linear, pools.kda[self.index], step.validate, step.backend,
+                           verify_step)
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 
@@ -116,10 +129,17 @@ class HybridModel(nn.Module):
         return self.embed.weight.device
 
     def forward(self, step: StepInputs, pools: ModelPools) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the last layer (before the final norm)."""
+        """Hidden states ``[T, hidden]`` after the last layer (before the final norm).
+
+        With ``step.validate``, the decode rows' index tensors are checked once here for
+        every KDA layer; each layer's verify then checks only its own tensors.
+        """
         x = self.embed(step.token_ids)
+        verify_step = None
+        if step.validate and pools.kda:
+            verify_step = plan_decode_verify(step.linear, next(iter(pools.kda.values())))
         for layer in self.layers:
-            x = layer(x, step, pools)
+            x = layer(x, step, pools, verify_step)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

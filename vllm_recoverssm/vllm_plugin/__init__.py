@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from ..ops.backends import choose_kernel_backend
 from .config import CONFIG_KEY, decide_for_vllm_config, deployment_from_vllm_config, plugin_logger
-from .kernels import choose_kernel_backend
 
 MODEL_MODULE = "vllm_recoverssm.vllm_plugin.models.glm5next.model"
 OVERRIDDEN_ARCHITECTURES = {
@@ -51,12 +51,9 @@ def register() -> None:
     compat.check_supported_version()
     for arch, target in OVERRIDDEN_ARCHITECTURES.items():
         compat.register_model(arch, target)
-    from .model_loader import register_loader
+    from . import patch
 
-    register_loader()
-    from . import engine_args
-
-    engine_args.install()
+    patched = patch.apply("register")
     from .distributed import kv_connector
 
     kv_connector.register()
@@ -65,7 +62,9 @@ def register() -> None:
 
     announce(
         f"vllm-recoverssm {__version__} plugin loaded: GLM-5.3 speculative-state recovery "
-        "is automatic when eligible (--no-use-replayssm keeps full states)"
+        "is automatic when eligible (--no-use-replayssm keeps full states); installed: "
+        f"{len(OVERRIDDEN_ARCHITECTURES)} model classes, patches {', '.join(patched)}, "
+        "the RecoverSSMCheckpointConnector"
     )
 
 

@@ -17,14 +17,12 @@ sources):
   on in both versions: ``handle_preemptions`` first in a step, the forward, sampling,
   ``_update_states_after_model_execute`` (the commit), the drafter, then ``wait_for_save``.
 * Everything else the plugin calls has the same name and signature in both versions; the
-  V1 runner hooks (:func:`install_v1_commit_hook`, :func:`install_v1_sample_hook`) check
-  the method they wrap at install time, so a future change fails at start-up with a
-  message, not mid-request.
+  patches that change vLLM's behaviour (:mod:`.patch`) check what they replace at install
+  time, so a future change fails at start-up with a message, not mid-request.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import re
@@ -235,55 +233,6 @@ def register_oot_layer(base: Any, replacement: type) -> None:
         base.register_oot(replacement)
 
 
-def dummy_model_loader_cls() -> Any:
-    """vLLM's ``dummy`` load-format loader class."""
-    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
-
-    return DummyModelLoader
-
-
-def register_model_loader(load_format: str, loader_cls: type) -> None:
-    """Register ``loader_cls`` as vLLM's loader for ``--load-format load_format``."""
-    from vllm.model_executor.model_loader import register_model_loader as register
-
-    register(load_format)(loader_cls)
-
-
-# Buffers a model's own ``load_weights`` derives from the weights it loaded (vLLM's DFlash
-# draft stacks its context K/V projections into one GEMM there). A loader that fills the
-# parameters itself must build them too, before vLLM's CPU platform may swap a linear
-# layer's weight for a packed copy and leave an empty tensor in its place.
-_WEIGHT_DERIVED_BUILDERS = ("_build_fused_kv_buffers",)
-
-
-def build_weight_derived_buffers(model: Any) -> int:
-    """Build what ``model``'s modules derive from their weights at load; returns how many
-    builders ran."""
-    ran = 0
-    for module in model.modules():
-        for name in _WEIGHT_DERIVED_BUILDERS:
-            build = getattr(type(module), name, None)
-            if callable(build):
-                build(module)
-                ran += 1
-    return ran
-
-
-ENGINE_PRELOAD = (
-    "vllm.entrypoints.llm",
-    "vllm.v1.engine.core",
-    "vllm.v1.executor.uniproc_executor",
-    "vllm.v1.worker.cpu_worker",
-    "vllm.v1.worker.cpu_model_runner",
-    "vllm.model_executor.model_loader",
-    "vllm.model_executor.layers.linear",
-    "vllm.v1.spec_decode.eagle",
-    "vllm.v1.sample.sampler",
-)
-"""vLLM's modules an engine process imports before it builds an engine, that the fork
-server of :mod:`.engine_fork` imports once (one that a vLLM version lacks is skipped)."""
-
-
 def forward_attn_metadata(prefix: str) -> Any:
     """The attention metadata vLLM's forward context holds for the layer ``prefix``."""
     table = __getattr__("get_forward_context")().attn_metadata
@@ -297,125 +246,6 @@ def set_forward_attn_metadata(prefix: str, metadata: Any) -> Any:
     saved = table[prefix]
     table[prefix] = metadata
     return saved
-
-
-# -- model runner V1: hooks after sampling ----------------------------------------------------
-
-V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
-V1_HOOK = "_update_states_after_model_execute"
-"""The V1 runner method that runs right after sampling (``sample_tokens``), with the
-sampled tokens of every batch row (``-1`` past the accepted ones)."""
-V1_SAMPLE = "_sample"
-"""The V1 runner method that samples from a step's logits (``sample_tokens``)."""
-_HOOKS = "_recoverssm_hooks"
-
-COMMIT_ORDER = 0
-"""Where the recovery commit runs among the after-sampling hooks (lower runs first)."""
-
-CommitAfterSampling = Callable[[Any, Any], None]
-"""``hook(runner, sampled_token_ids)``; called after vLLM's own post-sampling update."""
-BeforeSampling = Callable[[Any, Any, Any], None]
-"""``hook(runner, logits, spec_decode_metadata)``; called before vLLM samples."""
-
-
-def _v1_runner_cls() -> Any:
-    return getattr(importlib.import_module(V1_RUNNER[0]), V1_RUNNER[1])
-
-
-def _install_v1_wrapper(method: str, params: list[str], hook: Callable[..., None],
-                        order: int, after: bool) -> None:
-    """Wrap the V1 runner's ``method`` once; every hook joins the wrapper's ordered list.
-
-    A method replaced since (a newer wrapper of someone else, a test) gets a fresh
-    wrapper and list, so hooks never outlive the method they were installed on.
-    """
-    runner_cls: Any = _v1_runner_cls()
-    current = getattr(runner_cls, method, None)
-    if current is None:
-        raise UnsupportedVllmError(
-            f"vLLM {vllm_version()}'s V1 model runner has no {method}(); vllm-recoverssm "
-            "cannot hook it"
-        )
-    hooks: list[tuple[int, Callable[..., None]]] | None = getattr(current, _HOOKS, None)
-    if hooks is None:
-        have = list(inspect.signature(current).parameters)
-        if have[: len(params)] != params:
-            raise UnsupportedVllmError(
-                f"vLLM {vllm_version()}'s {method} takes {have}, not ({', '.join(params)}); "
-                "vllm-recoverssm cannot hook it"
-            )
-        original = getattr(current, "__wrapped__", current)
-        hooks = []
-        wrapper = _after_wrapper(original, hooks) if after else _before_wrapper(original, hooks)
-        setattr(wrapper, _HOOKS, hooks)
-        setattr(runner_cls, method, wrapper)
-    if all(h is not hook for _, h in hooks):
-        hooks.append((order, hook))
-        hooks.sort(key=lambda item: item[0])  # stable: equal orders keep install order
-
-
-def _after_wrapper(original: Callable[..., Any],
-                   hooks: list[tuple[int, Callable[..., None]]]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def after_sampling(self: Any, output_token_ids: Any, scheduler_output: Any) -> Any:
-        result = original(self, output_token_ids, scheduler_output)
-        for _, hook in list(hooks):
-            hook(self, output_token_ids)
-        return result
-
-    return after_sampling
-
-
-def _before_wrapper(original: Callable[..., Any],
-                    hooks: list[tuple[int, Callable[..., None]]]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
-        for _, hook in list(hooks):
-            hook(self, logits, spec_decode_metadata)
-        return original(self, logits, spec_decode_metadata)
-
-    return sample
-
-
-def install_v1_commit_hook(hook: CommitAfterSampling) -> None:
-    """Run ``hook`` after the V1 model runner's post-sampling state update (idempotent).
-
-    vLLM's V1 runner has no model-state postprocess step (runner V2 has one, which the
-    plugin uses there); its ``_update_states_after_model_execute(output_token_ids,
-    scheduler_output)`` is where it settles hybrid models' speculative state after
-    sampling, so the commit goes right after it.
-    """
-    install_v1_after_sampling_hook(hook, COMMIT_ORDER)
-
-
-def install_v1_after_sampling_hook(hook: CommitAfterSampling, order: int) -> None:
-    """Run ``hook`` after the V1 runner's post-sampling update, ordered by ``order``.
-
-    The recovery commit has order :data:`COMMIT_ORDER`; a request-boundary capture that
-    must see committed state uses a higher order (idempotent per hook).
-    """
-    _install_v1_wrapper(V1_HOOK, ["self", "output_token_ids", "scheduler_output"], hook,
-                        order, after=True)
-
-
-def install_v1_sample_hook(hook: BeforeSampling) -> None:
-    """Run ``hook(runner, logits, spec_decode_metadata)`` before the V1 runner samples.
-
-    The logits are the step's raw logits (before any in-place sampling transform); a
-    request-boundary checkpoint keeps the row that sampled a request's last token.
-    """
-    _install_v1_wrapper(V1_SAMPLE, ["self", "logits", "spec_decode_metadata"], hook, 0,
-                        after=False)
-
-
-def runner_request_ids(runner: Any) -> list[str | None]:
-    """The request id of every batch row of a V1 runner's step (row order)."""
-    return list(runner.input_batch.req_ids)
-
-
-def runner_forward_context(runner: Any) -> dict[str, Any]:
-    """The layer table (``static_forward_context``) of a model runner's config."""
-    return runner.compilation_config.static_forward_context  # type: ignore[no-any-return]
 
 
 # -- KV connectors ----------------------------------------------------------------------------
@@ -458,9 +288,10 @@ def batch_request_ids(input_batch: Any) -> list[str | None]:
     return list(input_batch.req_ids)
 
 
-def layer_table(vllm_config: Any) -> dict[str, Any]:
-    """The layers vLLM built for ``vllm_config``, by name (``static_forward_context``)."""
-    return vllm_config.compilation_config.static_forward_context  # type: ignore[no-any-return]
+def layer_table(owner: Any) -> dict[str, Any]:
+    """The layers vLLM built, by name (``static_forward_context``); ``owner`` is a
+    ``VllmConfig`` or a model runner, both of which hold the compilation config."""
+    return owner.compilation_config.static_forward_context  # type: ignore[no-any-return]
 
 
 def is_mamba_spec(spec: Any) -> bool:
@@ -497,12 +328,6 @@ def kv_connector_worker_stats() -> dict[str, Any] | None:
     return stats.as_dict() if stats is not None else None
 
 
-def worker_connector_stats(worker: Any) -> dict[str, Any] | None:
-    """In a worker (``LLM.collective_rpc``): its rank's connector counters."""
-    del worker  # the connector is this process's, one per rank
-    return kv_connector_worker_stats()
-
-
 def in_process_engine_core(llm: Any) -> Any | None:
     """The engine core of an offline ``vllm.LLM`` when it runs in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); None when it runs in a process of its own."""
@@ -510,59 +335,8 @@ def in_process_engine_core(llm: Any) -> Any | None:
     return getattr(client, "engine_core", None)
 
 
-def in_process_model_runner(core: Any) -> Any:
-    """The (single) worker's model runner of an in-process engine core."""
-    return core.model_executor.driver_worker.worker.model_runner
-
-
 def engine_has_connector_work(core: Any) -> bool:
     """The scheduler still holds requests that ended (blocks kept for a connector) but no
     live ones: one more engine step hands their exports to the workers."""
     scheduler = core.scheduler
     return bool(scheduler.has_requests()) and not scheduler.has_unfinished_requests()
-
-
-# -- the offline engine's allocation (tests and demos, in-process engine core) ------------------
-
-def kv_allocation(llm: Any) -> dict[str, Any]:
-    """State memory of an in-process ``vllm.LLM`` as its engine allocated it.
-
-    Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core lives in this process).
-    Covers the KV-cache group(s) of the model's KDA layers: blocks, bytes, blocks one
-    request reserves (``MambaSpec.max_memory_usage_bytes`` over its page), vLLM's maximum
-    concurrency, and the recovery record scratch the layers hold, rank by rank (the
-    workers may run in processes of their own, as under tensor parallelism).
-    """
-    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-
-    core = in_process_engine_core(llm)
-    if core is None:
-        raise RuntimeError("kv_allocation needs an in-process engine core "
-                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    kv_config = core.scheduler.kv_cache_config
-    vllm_config = llm.llm_engine.vllm_config
-    allocated = sum(int(t.size) for t in kv_config.kv_cache_tensors)
-    per_block = allocated // kv_config.num_blocks
-    blocks = 0
-    for group in kv_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        blocks = max(blocks, spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
-    per_rank = [int(n) for n in llm.apply_model(recovery_scratch_bytes)]
-    return dict(
-        num_blocks=int(kv_config.num_blocks), allocated_bytes=allocated,
-        bytes_per_block=per_block, blocks_per_request=int(blocks),
-        state_bytes_per_request=per_block * int(blocks),
-        max_concurrency=float(get_max_concurrency_for_kv_cache_config(vllm_config, kv_config)),
-        scratch_bytes=per_rank[0], scratch_bytes_per_rank=per_rank,
-    )
-
-
-def recovery_scratch_bytes(model: Any) -> int:
-    """Bytes of the recovery record scratch the KDA layers of ``model`` (one tensor
-    parallel rank's) hold; 0 with full states. Runs in each worker (``LLM.apply_model``)."""
-    total = 0
-    for module in model.modules():
-        records = getattr(module, "recovery_records", None)
-        if callable(records) and getattr(module, "use_recovery", False):
-            total += sum(int(t.nbytes) for t in records())
-    return total

@@ -28,8 +28,9 @@ from ..config import (
 )
 from ..config import commit_summary as summarize_commit
 from ..config import fused_commit_blockers as deployment_commit_blockers
+from ..ops.backends import choose_kernel_backend
 from . import compat
-from .kernels import choose_kernel_backend, cuda_capability
+from .compat import cuda_capability
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

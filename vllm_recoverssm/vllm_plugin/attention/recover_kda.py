@@ -10,7 +10,8 @@ update records into row ``i`` of each layer's record scratch.
 Commit runs after sampling, in the same step, under both of vLLM's model runners:
 runner V2 calls :meth:`RecoverKDAMetadata.commit_recoverssm_state` itself (vLLM's
 ``RecoverSSMMetadata`` interface, from its model-state postprocess); under runner V1 the
-builder leaves the step's metadata with its group's :class:`RecoveryCommitContext` and the
+builder leaves the step's metadata with its group's
+:class:`~..worker.commit_context.RecoveryCommitContext` and the
 plugin's post-sampling hook (:mod:`..worker.commit`) commits it. Either way it is one
 commit and one conv compaction for all KDA layers of the KV-cache group, before the next
 step (and before any request-boundary export) reads the state.
@@ -22,7 +23,7 @@ rows of requests that left the batch before vLLM's preprocess, and the builder o
 next step settles the rest before the forward: rows verified again replay their records
 inside the fused verify, every other row is committed on its own. The checkpoint
 connector commits a finished request's rows before it exports them, at the start of that
-step (:meth:`RecoveryCommitContext.settle_requests`).
+step (:meth:`~..worker.commit_context.RecoveryCommitContext.settle_requests`).
 
 Prefix caching (vLLM's mamba cache mode ``align``, its default for hybrid models; runner
 V2) keeps a state block every ``B`` tokens. There the builder takes vLLM's aligned state
@@ -40,246 +41,30 @@ verify in that block (:mod:`vllm_recoverssm.state.align_deferral`).
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ... import ops
-from ...ops.b12x_kda import B12xKdaRecovery
 from ...state.align_deferral import align_deferrable, align_step_may_commit, split_align_plan
 from ...state.commit_plan import build_align_commit_plan
 from .. import compat
 from ..config import fused_commit_enabled
 from ..kernels import b12x_recovery_for
 from ..worker.commit import register_commit_context
+from ..worker.commit_context import RecoveryCommitContext
 from ..worker.deferred_commit import DeferredCommits
+from ..worker.state_layout import to_ops_slots
 
 GDNAttentionBackend: Any = compat.GDNAttentionBackend
 GDNAttentionMetadata: Any = compat.GDNAttentionMetadata
 GDNAttentionMetadataBuilder: Any = compat.GDNAttentionMetadataBuilder
 RecoverSSMMetadata: Any = compat.RecoverSSMMetadata
 RecoverSSMPostprocessMetadata: Any = compat.RecoverSSMPostprocessMetadata
-NULL_BLOCK_ID: int = compat.NULL_BLOCK_ID
 
 RECOVERY_STATE_COLUMNS = 1
 """State columns a speculative row gets under recovery (generic GDN: S+1)."""
-
-
-def to_ops_slots(block_ids: torch.Tensor) -> torch.Tensor:
-    """vLLM block ids -> our slot indices: vLLM's null block (0) becomes -1 (null row)."""
-    return torch.where(block_ids == NULL_BLOCK_ID, -1, block_ids).to(torch.int32)
-
-
-@contextmanager
-def dim_first_conv(conv_state: torch.Tensor, slots: torch.Tensor) -> Iterator[
-    tuple[torch.Tensor, torch.Tensor]
-]:
-    """A ``[slots, dim, width]`` conv view with the width contiguous, as our ops need.
-
-    ``conv_state`` is the layer's view already oriented ``(dim, width)``. With vLLM's
-    default "SD" layout that view is strided; then the rows ``slots`` are gathered into a
-    dense copy, addressed by their row number, and written back on exit. Yields
-    ``(view, indices into view)``.
-    """
-    if conv_state.stride(-1) == 1:
-        yield conv_state, slots
-        return
-    live = slots >= 0
-    # Null rows gather vLLM's null block (0); our ops skip them, so writing them back
-    # rewrites block 0 with its own bytes. This keeps the path free of host syncs.
-    src = torch.where(live, slots, 0).long()
-    dense = conv_state.index_select(0, src).contiguous()
-    local = torch.where(live, torch.arange(slots.numel(), device=slots.device,
-                                           dtype=torch.int32), -1).to(torch.int32)
-    yield dense, local
-    conv_state.index_copy_(0, src, dense)
-
-
-@contextmanager
-def dim_first_conv_plan(conv_state: torch.Tensor, plan: ops.CommitPlan) -> Iterator[
-    tuple[torch.Tensor, ops.CommitPlan]
-]:
-    """:func:`dim_first_conv` for a commit plan: a contiguous view and the plan on it.
-
-    With a strided ("SD") conv layout the source, final and boundary rows are gathered into
-    one dense tensor and the plan is rewritten to address it; on exit only the final and
-    boundary rows are written back (the source row is read, never written, so writing it
-    back could race with a final row of the same slot).
-    """
-    if conv_state.stride(-1) == 1:
-        yield conv_state, plan
-        return
-    n = plan.num_rows
-    dev = plan.state_indices.device
-    groups = [plan.state_indices]
-    for field in (plan.final_indices, plan.boundary_indices):
-        if field is not None:
-            groups.append(field)
-    slots = torch.cat(groups)
-    live = slots >= 0
-    src = torch.where(live, slots, 0).long()
-    dense = conv_state.index_select(0, src).contiguous()
-    rows = torch.where(live, torch.arange(slots.numel(), device=dev, dtype=torch.int32), -1)
-    parts = list(rows.to(torch.int32).split(n))
-    final_local = parts[1].contiguous() if plan.final_indices is not None else None
-    boundary_local = parts[-1].contiguous() if plan.boundary_indices is not None else None
-    yield dense, ops.CommitPlan(
-        state_indices=parts[0].contiguous(), commit_lens=plan.commit_lens,
-        final_indices=final_local, boundary_indices=boundary_local,
-        boundary_lens=plan.boundary_lens,
-    )
-    # Null rows gathered vLLM's null block 0 and are never written by the ops, so writing
-    # them back rewrites block 0 with its own bytes; this keeps the path free of host syncs.
-    # Without final indices the source rows are updated in place and written back.
-    start = 0 if plan.final_indices is None else n
-    conv_state.index_copy_(0, src[start:], dense[start:])
-
-
-class RecoveryCommitContext:
-    """The KDA layers of one KV-cache group and what commit needs from them."""
-
-    def __init__(self, layer_names: list[str], static_forward_context: dict[str, Any],
-                 ops_backend: str = "auto", b12x: B12xKdaRecovery | None = None,
-                 deferred: DeferredCommits | None = None) -> None:
-        self.deferred = deferred
-        """Pending counts when commits are fused into the next verify (else None)."""
-        self.layer_names = list(layer_names)
-        self.forward_context = static_forward_context
-        """vLLM's layer table (``static_forward_context``) the layer names index."""
-        self.ops_backend = ops_backend
-        self.b12x = b12x
-        """b12x's verify and commit for this group (SM12x), or None for our kernels."""
-        self.validate: bool | None = None
-        """Argument checks that read device values; default: only off CUDA (they sync)."""
-        self._params: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.step: RecoverKDAMetadata | None = None
-        """The step built last and not yet committed (used under runner V1)."""
-        self._runner: weakref.ref[Any] | None = None
-        self._request_ids: list[str | None] | None = None
-        self._step_ids: list[str | None] | None = None
-
-    def layers(self) -> list[Any]:
-        """The layer modules, in group order."""
-        return [self.forward_context[name] for name in self.layer_names]
-
-    def _gate_params(self, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Parameters are fixed once weights are loaded; stack them once for the
-        # single multi-layer commit launch.
-        if self._params is None:
-            h, d = layers[0].local_num_heads, layers[0].head_dim
-            a_log = torch.stack([m.A_log.detach().reshape(h) for m in layers])
-            dt_bias = torch.stack([m.dt_bias.detach().reshape(h, d) for m in layers])
-            self._params = (a_log.float().contiguous(), dt_bias.float().contiguous())
-        return self._params
-
-    def commit(self, plan: ops.CommitPlan, record_rows: torch.Tensor) -> None:
-        """Replay each row's accepted records (scratch row ``record_rows[i]``, where verify
-        wrote them) as ``plan`` says, then compact the conv history the same way."""
-        layers = self.layers()
-        if not layers or plan.num_rows == 0:
-            return
-        a_log, dt_bias = self._gate_params(layers)
-        on_gpu = plan.state_indices.is_cuda
-        check = (not on_gpu) if self.validate is None else self.validate
-        records = [m.recovery_records() for m in layers]
-        pools = ([m.kv_cache[1] for m in layers], [r[0] for r in records],
-                 [r[1] for r in records])
-        if self.b12x is not None:
-            self.b12x.commit(*pools, a_log, dt_bias, plan,
-                             lower_bound=layers[0].kda_lower_bound,
-                             record_indices=record_rows, validate=check)
-        else:
-            ops.commit(*pools, a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
-                       record_indices=record_rows, backend=self.ops_backend,
-                       validate=check)
-        for m in layers:
-            view = m.conv_state_dim_first_view(m.kv_cache[0])
-            with dim_first_conv_plan(view, plan) as (conv, lp):
-                ops.conv_compact(conv, lp, kernel_width=m.conv_size,
-                                 backend=self.ops_backend, validate=check)
-
-    def see_batch(self, runner: Any, request_ids: list[str | None]) -> None:
-        """The runner that sampled and its batch's request ids, row by row (runner V1)."""
-        self._runner = weakref.ref(runner)
-        self._request_ids = request_ids
-
-    def see_step(self, request_ids: list[str | None]) -> None:
-        """The request ids, row by row, of the step about to be built (runner V2, whose
-        model state names them before the builders run). Its commit, after sampling,
-        belongs to the same step."""
-        self._step_ids = self._request_ids = request_ids
-
-    def request_keys(self, rows: list[int] | None, current: bool) -> list[str | None] | None:
-        """The request id of each batch row in ``rows``: of the step just sampled, or
-        (``current``) of the step being built (named by runner V2's model state, or read
-        from runner V1's batch). None where the host does not know them."""
-        if rows is None:
-            return None
-        ids: list[str | None] | None
-        if current and self._step_ids is not None:
-            ids = self._step_ids
-        elif current:
-            runner = self._runner() if self._runner is not None else None
-            ids = compat.runner_request_ids(runner) if runner is not None else None
-        else:
-            ids = self._request_ids
-        if ids is None:
-            return None
-        # Rows past the batch are CUDA-graph padding: null slots, never pending.
-        return [ids[r] if r < len(ids) else None for r in rows]
-
-    def settle(self, slots: torch.Tensor, keys: list[str | None] | None = None) -> None:
-        """Commit, on their own, the deferred rows that this step (speculative slots
-        ``slots``, of requests ``keys`` where known) does not verify again (fused commit
-        only)."""
-        if self.deferred is None or not self.deferred.needs_settle(keys):
-            return
-        stale = self.deferred.stale_commit(slots)
-        if stale is not None:
-            self.commit(*stale)
-
-    def settle_absent(self, keys: set[str]) -> None:
-        """Commit, on their own and now, the deferred rows of requests that are not among
-        ``keys`` (the requests of the step about to run; fused commit only): vLLM may hand
-        a finished request's state block to another request, whose state it then copies
-        in before the forward."""
-        if self.deferred is None:
-            return
-        due = self.deferred.absent_commit(keys)
-        if due is not None:
-            self.commit(*due)
-
-    def settle_requests(self, keys: set[str]) -> None:
-        """Commit, on their own and now, the deferred rows of requests ``keys`` (fused
-        commit only): an export reads their states before the next step's build."""
-        if self.deferred is None:
-            return
-        due = self.deferred.request_commit(keys)
-        if due is not None:
-            self.commit(*due)
-
-    def settle_pending(self) -> None:
-        """Commit, on their own and now, every deferred row (fused commit only): a
-        restore is about to write whole states into slots."""
-        if self.deferred is None:
-            return
-        due = self.deferred.pending_commit()
-        if due is not None:
-            self.commit(*due)
-
-    def set_step(self, metadata: RecoverKDAMetadata | None) -> None:
-        """Remember this step's metadata for the post-sampling commit (runner V1)."""
-        self.step = metadata
-
-    def commit_step(self, num_sampled: torch.Tensor) -> None:
-        """Commit the remembered step (``num_sampled`` per batch row), once."""
-        step, self.step = self.step, None
-        if step is not None:
-            step.commit_recoverssm_state(num_sampled)
 
 
 @dataclass(frozen=True)
@@ -440,7 +225,7 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         fused = fused_commit_enabled(vllm_config)
         self.commit_context = RecoveryCommitContext(
-            layer_names, vllm_config.compilation_config.static_forward_context,
+            layer_names, compat.layer_table(vllm_config),
             b12x=b12x_recovery_for(vllm_config, device),
             deferred=DeferredCommits(int(vllm_config.scheduler_config.max_num_seqs), device)
             if fused else None,

@@ -3,7 +3,7 @@
 Runner V2 commits through its model state (:mod:`.model_state`). Runner V1 (the one
 vLLM's CPU platform, and CUDA without ``VLLM_USE_V2_MODEL_RUNNER``, run) has no such
 step, so the plugin hooks the method it runs right after sampling
-(:func:`..compat.install_v1_commit_hook`) and commits there, in the same step:
+(:func:`..patch.v1_runner.install_v1_commit_hook`) and commits there, in the same step:
 
 * the verify records live in a scratch indexed by the step's speculative row, so they
   are consumed before the next step overwrites them;
@@ -19,7 +19,7 @@ the output at ``max_tokens``); a registered limit (:func:`register_commit_limit`
 commits only the kept tokens, so the finished request's page holds the state of its
 final tokens, which a request-boundary export stores.
 
-Each KV-cache group's :class:`~..attention.recover_kda.RecoveryCommitContext` registers
+Each KV-cache group's :class:`~.commit_context.RecoveryCommitContext` registers
 itself here when its builder is created (in the worker, after the runner module is
 loaded); the hook finds the contexts of the runner that sampled through the runner's layer
 table.
@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import compat
+from ..patch import v1_runner
 
 if TYPE_CHECKING:
-    from ..attention.recover_kda import RecoveryCommitContext
+    from .commit_context import RecoveryCommitContext
 
 _contexts: weakref.WeakSet[RecoveryCommitContext] = weakref.WeakSet()
 
@@ -54,7 +55,7 @@ def register_commit_limit(limit: CommitLimit) -> None:
 def register_commit_context(context: RecoveryCommitContext) -> None:
     """Commit ``context``'s steps after sampling under runner V1 (installs the hook)."""
     _contexts.add(context)
-    compat.install_v1_commit_hook(commit_after_sampling)
+    v1_runner.install_v1_commit_hook(commit_after_sampling)
 
 
 def _groups(forward_context: dict[str, Any]) -> list[RecoveryCommitContext]:
@@ -117,13 +118,13 @@ def sampled_counts(sampled_token_ids: torch.Tensor) -> torch.Tensor:
 
 def commit_after_sampling(runner: Any, sampled_token_ids: torch.Tensor) -> None:
     """Commit every recovery group of ``runner``'s model for the step just sampled."""
-    mine = _groups(compat.runner_forward_context(runner))
+    mine = _groups(compat.layer_table(runner))
     if not mine:
         return
     num_sampled = sampled_counts(sampled_token_ids)
     for limit in list(_limits):
         num_sampled = torch.minimum(num_sampled, limit(runner, num_sampled))
-    request_ids = compat.runner_request_ids(runner)
+    request_ids = compat.batch_request_ids(runner.input_batch)
     for context in mine:
         context.see_batch(runner, request_ids)
         context.commit_step(num_sampled)

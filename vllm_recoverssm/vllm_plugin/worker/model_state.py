@@ -20,6 +20,7 @@ import torch
 
 from .. import compat
 from ..config import recovery_enabled
+from ..patch.cache_config import mark_kda_recoverssm
 from .commit import see_step, settle_absent, settle_pending
 
 MambaHybridModelState: Any = compat.MambaHybridModelState
@@ -64,11 +65,7 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
                  device: torch.device) -> None:
         self.use_recovery = recovery_enabled(vllm_config)
         if self.use_recovery:
-            # vLLM's derived RecoverSSM flag (it is never set for GLM-5.3 by vLLM). With it,
-            # vLLM's MambaHybridModelState creates the RecoverSSMState whose commit calls
-            # our metadata, and CUDA-graph capture keeps mixed batches within the verify
-            # window (cudagraph_utils); no GLM-5.3 code reads it otherwise.
-            vllm_config.cache_config.use_kda_recoverssm = True
+            mark_kda_recoverssm(vllm_config)
         super().__init__(vllm_config, model, encoder_cache, device)
         if self.use_recovery and getattr(self, "recoverssm", None) is None:
             self.recoverssm = compat.RecoverSSMState()

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import compat
+from ...patch.kv_connector import recompute_failed_loads, scheduler_block_ids
 from .scheduler import SchedulerSide
 from .settings import settings_from_config
 from .worker import WorkerSide
@@ -38,14 +39,12 @@ class RecoverSSMCheckpointConnector(_Base, _HMA):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == compat.KVConnectorRole.SCHEDULER:
-            # vLLM reads the policy right after building this connector; a failed load
-            # must become a recompute from zero, never an error.
-            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+            recompute_failed_loads(vllm_config.kv_transfer_config)
             hit = compat.CacheHitSource
             self._cache_hit_source = hit.DISK if settings.backend == "disk" else hit.HOST
             self._scheduler = SchedulerSide(
                 vllm_config, kv_cache_config, settings,
-                lambda req_id: self._kv_cache_manager.get_block_ids(req_id))
+                scheduler_block_ids(self))
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, settings)
 

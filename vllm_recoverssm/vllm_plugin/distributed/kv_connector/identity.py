@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ....checkpoint import LayoutIdentity
+from ....config.state_mode import StateMode
 from ... import compat
 
 LAYOUT = "vllm-kv-pages"
@@ -82,7 +83,7 @@ def layout_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, tp_siz
         tp_rank=tp_rank,
         tp_size=tp_size,
         num_speculative_tokens=int(vllm_config.num_speculative_tokens or 0),
-        mode="recovery" if recovery else "full_state",
+        mode=StateMode.of(recovery).value,
         extra={
             "vllm": f"{major}.{minor}",
             "kv_groups": _groups_digest(kv_cache_config),

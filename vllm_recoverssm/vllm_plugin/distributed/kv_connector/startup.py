@@ -24,6 +24,7 @@ from typing import Any
 
 from ... import compat
 from ...config import is_glm53
+from ...patch.kv_connector import recompute_failed_loads
 from .settings import CONNECTOR_NAME, settings_from_config
 
 LMCACHE_V1 = "LMCacheConnectorV1"
@@ -62,7 +63,7 @@ def check_kv_connector(vllm_config: Any) -> None:
             problem = "pipeline parallelism is not supported"
         if problem:
             raise ConnectorRefusedError(f"kv_connector {CONNECTOR_NAME}: {problem}")
-        kt.kv_load_failure_policy = "recompute"
+        recompute_failed_loads(kt)
         return
     if not glm:
         return

@@ -10,7 +10,7 @@ Under vLLM's model runner V1 a step runs, in this order:
 3. ``start_load_kv`` (after the forward; restored requests are not in the batch): under
    the fused commit, commit every pending record first; then read, check and write each
    restore, or report it failed;
-4. sampling: the raw logits are kept (:func:`compat.install_v1_sample_hook`), the recovery
+4. sampling: the raw logits are kept (:func:`v1_runner.install_v1_sample_hook`), the recovery
    commit runs, then :meth:`WorkerSide.after_commit` records each request's sampled count
    and the logits row of its last token;
 5. ``wait_for_save`` (after the drafter when speculation is on; without speculation the
@@ -33,6 +33,7 @@ import torch
 from ....checkpoint import CheckpointStore, RequestCheckpoint
 from ... import compat
 from ...config import recovery_enabled
+from ...patch import v1_runner
 from ...worker.commit import (
     register_commit_limit,
     sampled_counts,
@@ -56,8 +57,8 @@ from .writer import BundleWriter
 
 logger = logging.getLogger(LOGGER)
 
-AFTER_COMMIT_ORDER = compat.COMMIT_ORDER + 10
-BEFORE_COMMIT_ORDER = compat.COMMIT_ORDER - 10
+AFTER_COMMIT_ORDER = v1_runner.COMMIT_ORDER + 10
+BEFORE_COMMIT_ORDER = v1_runner.COMMIT_ORDER - 10
 
 
 @dataclass
@@ -130,19 +131,19 @@ class WorkerSide:
         self._logits: torch.Tensor | None = None
         self._spec_meta: Any = None
         register_commit_limit(self.commit_limit)
-        compat.install_v1_sample_hook(self.before_sampling)
-        compat.install_v1_after_sampling_hook(self.after_commit, AFTER_COMMIT_ORDER)
+        v1_runner.install_v1_sample_hook(self.before_sampling)
+        v1_runner.install_v1_after_sampling_hook(self.after_commit, AFTER_COMMIT_ORDER)
         if settings.capture_stage == "pre_commit":
             if not self.recovery:
                 raise LayoutError("the test-only pre_commit capture stage is for recovery")
-            compat.install_v1_after_sampling_hook(self.before_commit, BEFORE_COMMIT_ORDER)
+            v1_runner.install_v1_after_sampling_hook(self.before_commit, BEFORE_COMMIT_ORDER)
 
     def _list_published(self, key: BundleKey) -> None:
         assert self.settings.path is not None
         add_entry(self.settings.path, self._identity_digest, key)
 
     def _mine(self, runner: Any) -> bool:
-        return self.layout is not None and compat.runner_forward_context(runner) is self._layers
+        return self.layout is not None and compat.layer_table(runner) is self._layers
 
     # -- set-up -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -290,7 +291,7 @@ class WorkerSide:
 
     def _row_limits(self, runner: Any, counts: list[int]) -> list[int]:
         limits = self._meta.limits
-        req_ids = compat.runner_request_ids(runner)[: len(counts)]
+        req_ids = compat.batch_request_ids(runner.input_batch)[: len(counts)]
         return [min(n, limits.get(r, n)) if r is not None else n
                 for r, n in zip(req_ids, counts, strict=True)]
 
@@ -307,7 +308,7 @@ class WorkerSide:
         if not self._mine(runner):
             return
         assert self.layout is not None
-        for req_id in compat.runner_request_ids(runner)[: sampled_token_ids.shape[0]]:
+        for req_id in compat.batch_request_ids(runner.input_batch)[: sampled_token_ids.shape[0]]:
             ids = self._meta.block_ids.get(req_id) if req_id is not None else None
             if req_id is not None and ids is not None:
                 self._before[req_id] = self.layout.read_kda(self._kda_source(ids, 0))
@@ -319,7 +320,7 @@ class WorkerSide:
             return
         counts = self._row_limits(runner, sampled_counts(sampled_token_ids).tolist())
         rows = self._rows(counts)
-        req_ids = compat.runner_request_ids(runner)[: len(counts)]
+        req_ids = compat.batch_request_ids(runner.input_batch)[: len(counts)]
         for i, req_id in enumerate(req_ids):
             if req_id is None:
                 continue

@@ -14,10 +14,10 @@ commit after sampling, so no cached or exported page carries them. With the comm
 into the next verify they live one step longer, so the scratch has two halves
 (``2 * max_num_seqs`` rows) and a step writes the half the previous one did not.
 
-Rows. Speculative rows under recovery run :func:`.kda_rows.recovery_rows` (conv at offset
+Rows. Speculative rows under recovery run :func:`.cpu.kda_rows.recovery_rows` (conv at offset
 0, recovery verify). On a platform where vLLM has KDA kernels (CUDA) every other row, and
 every row with recovery off, runs vLLM's own code. Where vLLM has none (its CPU platform)
-the layer runs every row with the project's ops in both modes (:mod:`.kda_rows`).
+the layer runs every row with the project's ops in both modes (:mod:`.cpu.kda_rows`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import torch
 from ... import compat
 from ...attention.recover_kda import RecoverKDAAttentionBackend, RecoverKDAMetadata
 from ...config import fused_commit_enabled, recovery_enabled
-from .kda_rows import full_state_rows, prompt_rows, recovery_rows
+from ...patch.kda_layer import undecorated_forward
+from .cpu.kda_rows import full_state_rows, prompt_rows, recovery_rows
 
 _BASE: Any = compat.Glm5NextLinearAttention
-_PARENT_FORWARD = getattr(_BASE._forward, "__wrapped__", _BASE._forward)
+_PARENT_FORWARD = undecorated_forward(_BASE)
 """vLLM's ``_forward`` without its capture-break decorator: ours already carries it."""
 
 _SPEC_ONLY_FIELDS = dict(

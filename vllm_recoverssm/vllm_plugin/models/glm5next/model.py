@@ -23,7 +23,7 @@ from ...worker.model_state import RecoverMambaHybridModelState
 from .kda import register_layer
 
 register_layer()
-_PATCHES = patch.apply()
+_PATCHES = patch.apply("model")
 if _PATCHES:
     plugin_logger().info("patched vLLM (vllm_recoverssm.vllm_plugin.patch): %s",
                          ", ".join(_PATCHES))

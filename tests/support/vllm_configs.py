@@ -1,0 +1,96 @@
+"""vLLM configs as the plugin tests build them, and what they change on a copy.
+
+``BASE_ARGS`` are the ``vllm serve`` arguments every config test starts from; the helpers
+decide as on a GPU, ask for a recovery mode, or turn on align-mode prefix caching on a
+copy of a real ``VllmConfig``, and build a recording double of the b12x adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+BASE_ARGS = [
+    "--skip-tokenizer-init", "--load-format", "dummy", "--dtype", "bfloat16",
+    "--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching",
+]
+MTP3 = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+
+
+
+@contextmanager
+def on_gpu(capability: tuple[int, int] = (9, 0), v2_runner: bool = True) -> Iterator[None]:
+    """Decide as on a CUDA GPU of ``capability`` with vLLM's model runner V2.
+
+    The configs are built on this CPU machine, where vLLM picks its V1 runner and there is
+    no GPU; everything else about the deployment is the real config's.
+    """
+    from vllm.config import VllmConfig
+
+    from vllm_recoverssm.vllm_plugin import config as plugin_config
+
+    with mock.patch.object(plugin_config, "cuda_capability", lambda: capability), \
+            mock.patch.object(VllmConfig, "use_v2_model_runner",
+                              property(lambda self: v2_runner)):
+        yield
+
+
+def with_recovery_mode(vllm_config: Any, mode: str) -> Any:
+    """A copy of ``vllm_config`` that asks for recovery ``mode`` (auto, on, off)."""
+    import copy
+
+    from vllm_recoverssm.vllm_plugin.config import CONFIG_KEY
+
+    cfg = copy.copy(vllm_config)
+    object.__setattr__(cfg, "additional_config",
+                       {**dict(vllm_config.additional_config or {}), CONFIG_KEY: mode})
+    return cfg
+
+
+def with_prefix_caching(vllm_config: Any, block_size: int = 16) -> Any:
+    """A copy of ``vllm_config`` with prefix caching on, as vLLM sets it up on a GPU.
+
+    vLLM's default for hybrid models is prefix caching in mamba cache mode ``align`` with
+    one state block per ``block_size`` tokens (``MambaModelConfig.verify_and_update_config``).
+    Its CPU platform turns prefix caching off for MLA models such as GLM-5.3, so the
+    configs built here get the GPU's cache settings applied to a copy.
+    """
+    import copy
+
+    cfg = copy.copy(vllm_config)
+    cache = copy.copy(vllm_config.cache_config)
+    cache.enable_prefix_caching = True
+    cache.mamba_cache_mode = "align"
+    cache.mamba_block_size = block_size
+    object.__setattr__(cfg, "cache_config", cache)
+    return cfg
+
+
+def recording_b12x(num_heads: int, num_spec: int, max_seqs: int = 8) -> Any:
+    """Our b12x adapter with its two kernel calls replaced by the PyTorch reference.
+
+    b12x's kernels need an SM12x GPU; this double records what the plugin hands the
+    adapter (the arguments b12x binds) and computes the same results with our reference,
+    so a test sees both the routing and the numbers.
+    """
+    from vllm_recoverssm import ops
+    from vllm_recoverssm.ops.b12x_kda import B12xKdaRecovery
+
+    verify_recovery, commit = ops.verify_recovery, ops.commit  # before any test patches
+
+    class RecordingB12x(B12xKdaRecovery):
+        def __init__(self) -> None:
+            super().__init__(num_heads=num_heads, num_spec=num_spec, max_seqs=max_seqs)
+            self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+        def verify(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append(("verify", args, kwargs))
+            return verify_recovery(*args, **kwargs, backend="reference")
+
+        def commit(self, *args: Any, **kwargs: Any) -> None:
+            self.calls.append(("commit", args, kwargs))
+            commit(*args, **kwargs, backend="reference")
+
+    return RecordingB12x()
