@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoint_stores import make_identity, open_store
 from vllm_recoverssm.checkpoint import CheckpointStore, LayoutIdentity
-
-from .helpers import make_identity, open_store
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import checkpoint_race_worker
+from tests.support.checkpoint_stores import RACE_PROMPTS, make_checkpoint, make_identity, open_store
 from vllm_recoverssm.checkpoint.gc import collect_garbage
-
-from .helpers import RACE_PROMPTS, make_checkpoint, make_identity, open_store
 
 pytestmark = pytest.mark.lmcache
 
-WORKER = Path(__file__).with_name("race_worker.py")
+WORKER = Path(checkpoint_race_worker.__file__)
 WRITERS = 3
 
 

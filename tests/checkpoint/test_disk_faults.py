@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_recoverssm.checkpoint import CheckpointStore, RequestCheckpoint
-
-from .helpers import (
+from tests.support.checkpoint_stores import (
     HEADER,
     flip_bit,
     make_checkpoint,
@@ -28,6 +26,7 @@ from .helpers import (
     open_store,
     part_files,
 )
+from vllm_recoverssm.checkpoint import CheckpointStore, RequestCheckpoint
 
 pytestmark = pytest.mark.lmcache
 

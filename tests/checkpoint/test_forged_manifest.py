@@ -12,10 +12,15 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.support.checkpoint_stores import (
+    make_checkpoint,
+    make_tokens,
+    manifest_body,
+    put_manifest,
+    rewrap,
+)
 from vllm_recoverssm.checkpoint import CheckpointStore
 from vllm_recoverssm.checkpoint import store as store_module
-
-from .helpers import make_checkpoint, make_tokens, manifest_body, put_manifest, rewrap
 
 pytestmark = pytest.mark.lmcache
 

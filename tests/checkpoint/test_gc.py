@@ -12,12 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore, RequestCheckpoint
-from vllm_recoverssm.checkpoint.gc import collect_garbage
-from vllm_recoverssm.checkpoint.inflight import WriteMarker
-from vllm_recoverssm.checkpoint.names import marker_name
-
-from .helpers import (
+from tests.support.checkpoint_stores import (
     make_checkpoint,
     make_identity,
     make_tokens,
@@ -25,6 +20,10 @@ from .helpers import (
     open_store,
     part_files,
 )
+from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore, RequestCheckpoint
+from vllm_recoverssm.checkpoint.gc import collect_garbage
+from vllm_recoverssm.checkpoint.inflight import WriteMarker
+from vllm_recoverssm.checkpoint.names import marker_name
 
 pytestmark = pytest.mark.lmcache
 

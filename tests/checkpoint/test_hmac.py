@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointConfigError, CheckpointStore
-from vllm_recoverssm.checkpoint.wire import MAGIC_KEYED
-
-from .helpers import (
+from tests.support.checkpoint_stores import (
     HEADER,
     MiB,
     make_checkpoint,
@@ -27,6 +24,8 @@ from .helpers import (
     put_manifest,
     rewrap,
 )
+from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointConfigError, CheckpointStore
+from vllm_recoverssm.checkpoint.wire import MAGIC_KEYED
 
 pytestmark = pytest.mark.lmcache
 

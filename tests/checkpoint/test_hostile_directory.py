@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoint_stores import make_checkpoint, make_tokens, object_path, part_files
 from vllm_recoverssm.checkpoint import CheckpointStore, prefix_digest
 from vllm_recoverssm.checkpoint import files as files_module
-
-from .helpers import make_checkpoint, make_tokens, object_path, part_files
 
 pytestmark = pytest.mark.lmcache
 

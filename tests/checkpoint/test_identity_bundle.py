@@ -10,10 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from tests.support.checkpoint_stores import make_identity
 from vllm_recoverssm.checkpoint import RequestCheckpoint, prefix_digest
 from vllm_recoverssm.checkpoint.identity import prefix_digests
-
-from .helpers import make_identity
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.checkpoint_stores import (
+    make_checkpoint,
+    make_identity,
+    make_tokens,
+    open_store,
+    put_manifest,
+    rewrap,
+)
 from vllm_recoverssm.checkpoint import (
     BundleFormatError,
     CheckpointStore,
@@ -21,8 +29,6 @@ from vllm_recoverssm.checkpoint import (
     prefix_digest,
 )
 from vllm_recoverssm.checkpoint.wire import decode, encode, manifest_from_bytes
-
-from .helpers import make_checkpoint, make_identity, make_tokens, open_store, put_manifest, rewrap
 
 TOKENS = make_tokens(24)
 _BASE = make_checkpoint(TOKENS)

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoint_stores import make_checkpoint, make_identity, make_tokens, open_store
 from vllm_recoverssm.checkpoint.inflight import publish_lock
-
-from .helpers import make_checkpoint, make_identity, make_tokens, open_store
 
 pytestmark = pytest.mark.lmcache
 

@@ -14,6 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.checkpoint_stores import (
+    make_checkpoint,
+    make_tokens,
+    manifest_body,
+    part_files,
+    put_manifest,
+    rewrap,
+)
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore, RequestCheckpoint
 from vllm_recoverssm.reference import (
     TEST_MODEL,
@@ -22,8 +30,6 @@ from vllm_recoverssm.reference import (
     SpecRuntime,
     build_model,
 )
-
-from .helpers import make_checkpoint, make_tokens, manifest_body, part_files, put_manifest, rewrap
 
 pytestmark = pytest.mark.lmcache
 

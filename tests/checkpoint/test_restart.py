@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import CRASH_PROMPT, make_identity, open_store
+from tests.support import checkpoint_restart_worker
+from tests.support.checkpoint_stores import CRASH_PROMPT, make_identity, open_store
 
 pytestmark = pytest.mark.lmcache
 
-WORKER = Path(__file__).with_name("restart_worker.py")
+WORKER = Path(checkpoint_restart_worker.__file__)
 
 
 def run_worker(action: str, root: Path) -> subprocess.CompletedProcess[str]:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from tests.support.checkpoint_stores import make_identity
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointConfigError, CheckpointStore
-
-from .helpers import make_identity
 
 pytestmark = pytest.mark.lmcache
 

@@ -6,10 +6,9 @@ import logging
 
 import pytest
 
+from tests.support.checkpoint_stores import make_checkpoint, make_identity, make_tokens, open_store
 from vllm_recoverssm.checkpoint import CheckpointStore
 from vllm_recoverssm.checkpoint.lmcache_objects import LMCacheObjects
-
-from .helpers import make_checkpoint, make_identity, make_tokens, open_store
 
 pytestmark = pytest.mark.lmcache
 

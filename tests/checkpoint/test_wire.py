@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.checkpoint_stores import make_checkpoint, make_identity, make_tokens
 from vllm_recoverssm.checkpoint import BundleFormatError, RequestCheckpoint, prefix_digest
 from vllm_recoverssm.checkpoint.wire import (
     ENVELOPE,
@@ -19,8 +20,6 @@ from vllm_recoverssm.checkpoint.wire import (
     manifest_from_bytes,
     manifest_to_bytes,
 )
-
-from .helpers import make_checkpoint, make_identity, make_tokens
 
 BUNDLE_ID = "0" * 32
 

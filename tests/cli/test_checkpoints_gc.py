@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoint_stores import (
+    make_checkpoint,
+    make_identity,
+    make_tokens,
+    open_store,
+    part_files,
+)
 from vllm_recoverssm.cli.main import main
-
-from ..checkpoint.helpers import make_checkpoint, make_identity, make_tokens, open_store, part_files
 
 pytestmark = pytest.mark.lmcache
 

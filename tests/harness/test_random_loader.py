@@ -52,3 +52,34 @@ def test_loader_weights_are_seeded_and_options_are_checked(vllm_module: Any) -> 
         _loader(vllm_module, {"sed": 7})
     with pytest.raises(ValueError, match="'scale'"):
         _loader(vllm_module, {"scale": 0})
+
+
+_LOAD_FORMATS = (
+    "import json, vllm.model_executor.model_loader as ml; "
+    "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    "print(json.dumps(sorted(ml._LOAD_FORMAT_TO_MODEL_LOADER)))"
+)
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["vllm-serve", "harness"])
+def test_the_random_format_is_registered_only_where_the_harness_asks(
+    vllm_module: Any, asked: bool,
+) -> None:
+    """vLLM loads every plugin entry point in every process; a user's ``vllm serve`` must
+    not get the harness's load format, a process the harness starts must."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from vllm_recoverssm.harness.random_loader import LOAD_FORMAT
+    from vllm_recoverssm.harness.vllm_registration import HARNESS_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != HARNESS_ENV}
+    if asked:
+        env[HARNESS_ENV] = "1"
+    out = subprocess.run([sys.executable, "-c", _LOAD_FORMATS], env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    formats = json.loads(out.strip().splitlines()[-1])
+    assert "dummy" in formats
+    assert (LOAD_FORMAT in formats) == asked

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.support.kda_batches import SpecBatch, make_batch, make_state
 from vllm_recoverssm import ops
 from vllm_recoverssm.ops import backends, tuning
-
-from .helpers import SpecBatch, make_batch, make_state
 
 F64 = torch.float64
 STATE_TOL = 1e-6  # committed state vs float64, and commit(n) vs full-state column n

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.support.kda_batches import make_batch, make_state
 from vllm_recoverssm import ops
 from vllm_recoverssm.ops import reference as ref
-
-from .helpers import make_batch, make_state
 
 F64 = torch.float64
 STATE_TOL = 2e-6  # final state after a prompt row, fp32 kernel vs float64

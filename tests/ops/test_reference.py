@@ -8,10 +8,9 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
+from tests.support.kda_batches import make_batch, make_state
 from vllm_recoverssm import ops
 from vllm_recoverssm.ops import reference as ref
-
-from .helpers import make_batch, make_state
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=25, deadline=None)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.kda_batches import make_batch, make_state
 from vllm_recoverssm import ops
-
-from .helpers import make_batch, make_state
 
 H, K, V, N, W = 2, 8, 8, 3, 4
 

@@ -7,9 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.support.reference_runs import MAX_MODEL_LEN, MAX_NEW, make_prompts
 from vllm_recoverssm.reference import TEST_MODEL, HybridModel, build_model, greedy_continuations
-
-from .helpers import MAX_MODEL_LEN, MAX_NEW, make_prompts
 
 
 @pytest.fixture(autouse=True)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.reference_runs import oracle, run
 from vllm_recoverssm.reference import CPU_MODEL, GPU_MODEL, MODES, HybridModel, ModelConfig
 from vllm_recoverssm.reference.accounting import measured_state_bytes, planned_state_bytes
 from vllm_recoverssm.reference.pools import ModelPools
-
-from .helpers import oracle, run
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.reference_runs import MAX_MODEL_LEN, MAX_NEW, oracle
 from vllm_recoverssm.checkpoint import RequestCheckpoint
 from vllm_recoverssm.reference import (
     FULL_STATE,
@@ -19,8 +20,6 @@ from vllm_recoverssm.reference import (
     capture_request,
     layout_identity,
 )
-
-from .helpers import MAX_MODEL_LEN, MAX_NEW, oracle
 
 
 def _capturing_run(

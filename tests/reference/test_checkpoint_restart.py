@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from . import restart_worker as worker
+from tests.support import reference_restart_worker as worker
 
 pytestmark = pytest.mark.lmcache
 
-WORKER = Path(__file__).with_name("restart_worker.py")
+WORKER = Path(worker.__file__)
 
 
 def run_worker(*args: str) -> dict[str, dict]:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.checkpoint_stores import HEADER, flip_bit, manifest_file, part_files
+from tests.support.reference_runs import MAX_MODEL_LEN, MAX_NEW
 from vllm_recoverssm.checkpoint import (
     CheckpointConfig,
     CheckpointConfigError,
@@ -36,9 +38,6 @@ from vllm_recoverssm.reference import (
     greedy_continuations,
     layout_identity,
 )
-
-from ..checkpoint.helpers import HEADER, flip_bit, manifest_file, part_files
-from .helpers import MAX_MODEL_LEN, MAX_NEW
 
 pytestmark = pytest.mark.lmcache
 MiB = 2**20

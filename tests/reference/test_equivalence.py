@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.reference_runs import MAX_NEW, oracle, run
 from vllm_recoverssm.reference import (
     FULL_STATE,
     RECOVERY,
@@ -14,8 +15,6 @@ from vllm_recoverssm.reference import (
     MTPDrafter,
     corruption_for_acceptance,
 )
-
-from .helpers import MAX_NEW, oracle, run
 
 # target acceptance -> (lowest, highest) measured: ~100 %, ~50 %, 0 %
 ACCEPTANCE = {1.0: (0.9, 1.0), 0.5: (0.25, 0.75), 0.0: (0.0, 0.0)}

@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+from tests.support.reference_runs import make_prompts, oracle, run
 from vllm_recoverssm.reference import (
     FULL_STATE,
     GPU_MODEL,
@@ -21,8 +22,6 @@ from vllm_recoverssm.reference import (
     corruption_for_acceptance,
     greedy_continuations,
 )
-
-from .helpers import make_prompts, oracle, run
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.reference_runs import make_prompts
 from vllm_recoverssm.reference import (
     CPU_MODEL,
     GLM_TP2_MODEL,
@@ -20,8 +21,6 @@ from vllm_recoverssm.reference import (
     greedy_continuations,
 )
 from vllm_recoverssm.reference.layers import KDAMixer, PagedAttention
-
-from .helpers import make_prompts
 
 
 def test_layer_pattern_is_glm53() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.reference_runs import MAX_MODEL_LEN, MAX_NEW, make_prompts, run
 from vllm_recoverssm.reference import (
     MODES,
     HybridModel,
@@ -12,8 +13,6 @@ from vllm_recoverssm.reference import (
     SpecRuntime,
     greedy_continuations,
 )
-
-from .helpers import MAX_MODEL_LEN, MAX_NEW, make_prompts, run
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.reference_runs import MAX_MODEL_LEN, MAX_NEW, make_prompts, oracle, run
 from vllm_recoverssm import ops
 from vllm_recoverssm.reference import (
     FULL_STATE,
@@ -17,8 +18,6 @@ from vllm_recoverssm.reference import (
     capture_linear,
 )
 from vllm_recoverssm.reference.step_inputs import StepInputs
-
-from .helpers import MAX_MODEL_LEN, MAX_NEW, make_prompts, oracle, run
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -35,7 +35,7 @@ import os
 import sys
 from typing import Any
 
-MODULE = "tests.vllm_plugin.runner_v2"
+MODULE = "tests.support.runner_v2"
 ENVIRONMENT = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 ASYNC_SCHEDULING = "RECOVERSSM_TEST_ASYNC_SCHEDULING"
 """Environment variable: ``1`` runs the engine with asynchronous scheduling (docstring)."""
@@ -144,7 +144,7 @@ def prepare(asynchronous: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.vllm_plugin.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
+    """``python -m tests.support.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
     prepare(asynchronous=os.environ.get(ASYNC_SCHEDULING) == "1")
     _oracle_as_ngram()
     from vllm_recoverssm.harness.run_engine import main as run_main

@@ -1,5 +1,5 @@
 """``vllm serve`` under model runner V2 with asynchronous scheduling, on the CPU:
-``python -m tests.vllm_plugin.serve_v2 serve MODEL ARGS...`` takes ``vllm``'s arguments.
+``python -m tests.support.serve_v2 serve MODEL ARGS...`` takes ``vllm``'s arguments.
 
 On a CUDA GPU a default ``vllm serve`` of GLM-5.3 with MTP drafting runs model runner V2,
 schedules asynchronously and turns prefix caching on in align mode. This launcher makes

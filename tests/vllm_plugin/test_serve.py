@@ -99,7 +99,7 @@ def test_vllm_serve_with_the_gpu_defaults_answers_the_cold_tokens(
     log = tmp_path / "serve-v2.log"
     # PYTHONOPTIMIZE: vLLM's align-mode state-index step asserts a CUDA input (runner_v2)
     with vllm_serve(cold_run.model, args, log, env_overrides={"PYTHONOPTIMIZE": "1"},
-                    module="tests.vllm_plugin.serve_v2") as srv:
+                    module="tests.support.serve_v2") as srv:
         first = srv.complete_all(p, MAX_TOKENS)
         again = srv.complete_all(p, MAX_TOKENS)
         text = srv.metrics()

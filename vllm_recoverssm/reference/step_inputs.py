@@ -14,9 +14,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-RECOVERY = "recovery"
-FULL_STATE = "full_state"
-MODES = (RECOVERY, FULL_STATE)
+from ..config.state_mode import STATE_MODES, StateMode
+
+RECOVERY = StateMode.RECOVERY
+FULL_STATE = StateMode.FULL_STATE
+MODES = STATE_MODES
 
 
 @dataclass

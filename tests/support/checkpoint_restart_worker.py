@@ -1,8 +1,9 @@
 """Run one side of the restart tests in its own process.
 
-python restart_worker.py store DIR   -> stores a prompt and a response bundle, prints "stored"
-python restart_worker.py check DIR   -> restores both from disk, prints "restored"
-python restart_worker.py crash DIR   -> dies (os._exit) between two parts of a write
+python checkpoint_restart_worker.py store DIR   -> stores a prompt and a response bundle,
+    prints "stored"
+python checkpoint_restart_worker.py check DIR   -> restores both from disk, prints "restored"
+python checkpoint_restart_worker.py crash DIR   -> dies (os._exit) between two parts of a write
 """
 
 from __future__ import annotations
@@ -11,10 +12,15 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+if __name__ == "__main__":  # run as a script: make the tests package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from helpers import CRASH_PROMPT, make_checkpoint, make_identity, make_tokens  # noqa: E402
-
+from tests.support.checkpoint_stores import (  # noqa: E402
+    CRASH_PROMPT,
+    make_checkpoint,
+    make_identity,
+    make_tokens,
+)
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore  # noqa: E402
 
 PROMPT = make_tokens(40)

@@ -1,7 +1,7 @@
 """Run one side of the runtime restart test in its own process; prints one JSON object.
 
-python restart_worker.py store DIR           -> wave 1 in both modes, exported to DIR
-python restart_worker.py restore DIR ANSWERS -> wave 2 (follow-up turns and repeats of
+python reference_restart_worker.py store DIR           -> wave 1 in both modes, exported to DIR
+python reference_restart_worker.py restore DIR ANSWERS -> wave 2 (follow-up turns and repeats of
                                                 wave 1, whose answers ANSWERS holds as JSON)
                                                 in both modes, restored from DIR
 """
@@ -17,7 +17,7 @@ import torch
 if __name__ == "__main__":  # run as a script: make the tests package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.reference.helpers import MAX_MODEL_LEN, MAX_NEW, make_prompts  # noqa: E402
+from tests.support.reference_runs import MAX_MODEL_LEN, MAX_NEW, make_prompts  # noqa: E402
 from vllm_recoverssm.checkpoint import CheckpointConfig  # noqa: E402
 from vllm_recoverssm.reference import (  # noqa: E402
     MODES,

@@ -1,6 +1,6 @@
 """One of several processes storing the same prefixes into one directory at the same time.
 
-python race_worker.py DIR GO_FILE -> waits for GO_FILE, stores every RACE_PROMPTS bundle,
+python checkpoint_race_worker.py DIR GO_FILE -> waits for GO_FILE, stores every RACE_PROMPTS bundle,
 prints one JSON line: [[num_tokens, stored, reason], ...]
 """
 
@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+if __name__ == "__main__":  # run as a script: make the tests package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from helpers import RACE_PROMPTS, make_checkpoint, make_identity  # noqa: E402
-
+from tests.support.checkpoint_stores import RACE_PROMPTS, make_checkpoint, make_identity  # noqa: E402
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore  # noqa: E402
 
 
