@@ -128,7 +128,8 @@ EXIT_CHILD = """
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from helpers import make_checkpoint, make_identity, make_tokens, part_files
+from tests.support.checkpoint_stores import (
+    make_checkpoint, make_identity, make_tokens, part_files)
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore
 root = Path({root!r})
 store = CheckpointStore(CheckpointConfig(backend="disk", path=root, ram_bytes=2**24,
@@ -144,7 +145,8 @@ print("hit" if store.lookup(toks) else "miss", round(time.monotonic() - t0, 1), 
 
 
 def test_a_lookup_that_meets_fifos_never_blocks_process_exit(tmp_path: Path) -> None:
-    code = EXIT_CHILD.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt"))
+    code = EXIT_CHILD.format(tests=str(Path(__file__).resolve().parents[2]),
+                             root=str(tmp_path / "ckpt"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -33,9 +33,10 @@ def test_every_identity_field_changes_the_digest(change: dict) -> None:
 
 
 def test_identity_digest_and_prefix_digest_are_the_same_in_a_fresh_process() -> None:
-    here = str(Path(__file__).parent)
+    here = str(Path(__file__).resolve().parents[2])
     code = (
-        f"import sys; sys.path.insert(0, {here!r}); from helpers import make_identity;"
+        f"import sys; sys.path.insert(0, {here!r});"
+        "from tests.support.checkpoint_stores import make_identity;"
         "from vllm_recoverssm.checkpoint import prefix_digest;"
         "print(make_identity().digest(), prefix_digest([1, 2, 3]))"
     )

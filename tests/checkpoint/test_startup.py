@@ -46,7 +46,8 @@ def test_fs_backend_without_aiofiles_fails_at_start_up(tmp_path: Path) -> None:
     # Without aiofiles LMCache's fs connector is never created and would store nothing.
     code = (
         "import sys; sys.modules['aiofiles'] = None; from pathlib import Path\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); from helpers import make_identity\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from tests.support.checkpoint_stores import make_identity\n"
         "from vllm_recoverssm.checkpoint import *\n"
         "try:\n"
         f"    CheckpointStore(CheckpointConfig(backend='disk', path=Path({str(tmp_path)!r})),"
