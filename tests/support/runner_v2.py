@@ -115,8 +115,8 @@ def oracle_speculative_config(num_spec: int, *, asynchronous: bool) -> dict[str,
 
 
 def _oracle_as_ngram() -> None:
+    from vllm_recoverssm.harness import run_engine
     from vllm_recoverssm.harness.oracle_drafter import CLASS_PATH
-    from vllm_recoverssm.vllm_plugin import run_engine
 
     original = run_engine.llm_kwargs
 

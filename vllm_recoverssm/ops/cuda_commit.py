@@ -30,11 +30,11 @@ MIN_COLUMNS = 8
 """Window length (S + 1) from which the CUDA commit is preferred: it shares each record's
 key norm and decay over a block's rows, which pays off only with many tokens accepted
 (``python -m vllm_recoverssm.bench.tune --ops commit_all,commit_2``; timings in
-``docs/bench``)."""
+``docs/results.md``)."""
 MIN_PROGRAMS = 1024
 """(request, layer, head) triples from which the CUDA commit is preferred: a batch of 32 with
 one layer of 32 heads, or any batch with the 34 layers of GLM-5.3. Below it the Triton
-commit was level or faster (timings in ``docs/bench``)."""
+commit was level or faster (timings in ``docs/results.md``)."""
 
 
 def preferred(ncols: int, programs: int) -> bool:
@@ -48,7 +48,7 @@ def rows_per_block(rows: int, layer_heads: int) -> int:
 
     Short blocks fill the SMs at small batches; at large ones longer blocks share their
     per-block record work over more rows, so the commit takes 32 rows wherever
-    :func:`preferred` takes it (timings in ``docs/bench``).
+    :func:`preferred` takes it (timings in ``docs/results.md``).
     """
     return 16 if rows * layer_heads < MIN_PROGRAMS else 32
 

@@ -13,7 +13,7 @@ up front instead of paying one memory latency per token. Tokens past a request's
 run as no-ops (decay 1, correction 0). Each program owns a [BV, K] tile of one head's
 state (K contiguous), held as two [BV, K/2] chunks, which spreads a row over half as many
 lanes: the chunks' products are added in registers and one reduction with one shuffle
-level less follows (measurably faster than one chunk; the numbers are in ``docs/bench``).
+level less follows (measurably faster than one chunk; the numbers are in ``docs/results.md``).
 
 Commit has three token loops (:func:`commit_loop` picks one by batch and window): a
 runtime loop, where rejected tokens cost nothing and the other programs of an SM hide each
@@ -449,7 +449,7 @@ def cuda_rows_per_warp(rows: int, heads: int, mode: int = win.RECOVERY,
     16 (two blocks per head) or 32 (one block per head).
 
     Read off ``python -m vllm_recoverssm.bench.tune --variants cuda/`` (the timings are in
-    ``docs/bench``). Short blocks fill the SMs at small batches: the recovery verify of
+    ``docs/results.md``). Short blocks fill the SMs at small batches: the recovery verify of
     half-width windows (at most 4 tokens) takes 16 rows at every batch, longer windows up
     to a few hundred (request, head) pairs; the fused verify of half-width windows takes 16
     rows in a middle band of batches, the other fused and full-state verifies only at the

@@ -84,11 +84,13 @@ class RecoveryCommitContext:
             ops.commit(*pools, a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
                        record_indices=record_rows, backend=self.ops_backend,
                        validate=check)
-        for m in layers:
+        # One plan and one page layout for the whole group: the plan's checks read its
+        # tensors back to the host, so they run with the first layer only.
+        for index, m in enumerate(layers):
             view = m.conv_state_dim_first_view(m.kv_cache[0])
             with dim_first_conv_plan(view, plan) as (conv, lp):
                 ops.conv_compact(conv, lp, kernel_width=m.conv_size,
-                                 backend=self.ops_backend, validate=check)
+                                 backend=self.ops_backend, validate=check and index == 0)
 
     def see_batch(self, runner: Any, request_ids: list[str | None]) -> None:
         """The runner that sampled and its batch's request ids, row by row (runner V1)."""
