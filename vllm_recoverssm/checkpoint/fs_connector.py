@@ -76,6 +76,8 @@ class SafeFSConnector(FSConnector):
         self._deadlines: dict[str, float] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self.not_regular_seen = 0
+        """Times a name was found holding something other than a regular file."""
 
     # -- names --------------------------------------------------------------------------
     def file_name(self, key: CacheEngineKey) -> str:
@@ -90,6 +92,7 @@ class SafeFSConnector(FSConnector):
 
     def _warn_not_regular(self, name: str) -> None:
         with self._lock:
+            self.not_regular_seen += 1
             if name in self._warned or len(self._warned) >= _MAX_WARNED:
                 return
             self._warned.add(name)

@@ -41,7 +41,6 @@ import torch
 
 from .config import CheckpointConfig
 from .errors import CheckpointConfigError
-from .files import regular_file_size
 
 SUPPORTED_LMCACHE = "0.5."
 INSTALL_HINT = "install it with `make install-lmcache` (requirements/lmcache.txt)"
@@ -331,13 +330,10 @@ class LMCacheObjects:
         backend = self._cpu if self._remote is None else self._remote
         return bool(backend.contains(self._key(key)))
 
-    def blocked(self, key: ObjectKey) -> bool:
-        """Whether something that is not a stored object (a link, a FIFO, a device, a
-        directory) sits at ``key``'s name in the disk store's directory."""
-        if self._remote is None or self.config.path is None:
-            return False
-        path = Path(self.config.path) / self._fs.file_name(self._key(key))
-        return os.path.lexists(path) and regular_file_size(path) is None
+    def not_regular_seen(self) -> int:
+        """How often the disk store met a name holding something that is not a stored
+        object (a link, a FIFO, a device, a directory); 0 for RAM."""
+        return int(self._fs.not_regular_seen) if self._fs is not None else 0
 
     def remove(self, key: ObjectKey) -> None:
         """Remove the object under ``key`` if there is one (best effort)."""

@@ -408,13 +408,15 @@ class CheckpointStore:
             self.stats.lookups += 1
             digests = prefix_digests(toks)
             for n in range(len(toks), min_tokens - 1, -1):
+                planted = self._objects.not_regular_seen()
                 try:
                     listed = self._objects.contains(self._manifest_key(n, digests[n - 1]))
                 except Exception as exc:  # the backend failing on one name is a miss
                     logger.warning("checkpoint lookup of a %d-token prefix failed: %s", n, exc)
                     continue
                 if not listed:
-                    if self._objects.blocked(self._manifest_key(n, digests[n - 1])):
+                    # the backend's lookup saw a link, FIFO or device at the name
+                    if self._objects.not_regular_seen() > planted:
                         self.stats.rejected += 1
                         logger.warning(
                             "checkpoint bundle for a %d-token prefix ignored (%s store): its "
