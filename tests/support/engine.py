@@ -71,21 +71,22 @@ def run_engine(spec: EngineRun, workdir: Path, env: dict[str, str] | None = None
 
 
 def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False,
-           asynchronous: bool = False) -> EngineReport:
+           asynchronous: bool = False, env: dict[str, str] | None = None) -> EngineReport:
     """One engine under model runner V2 (:mod:`.runner_v2`), in a fresh process.
 
     ``align``: with ``PYTHONOPTIMIZE``, because vLLM's align-mode state-index step asserts
     that its input lives on a CUDA device before it launches its Triton kernel
     (``MambaStateContext.compute_aligned_state_indices``); the kernel itself runs in the
     interpreter on CPU tensors like every other. ``asynchronous``: with vLLM's
-    asynchronous scheduling, as on a GPU.
+    asynchronous scheduling, as on a GPU. ``env``: more environment (e.g. the core of
+    :func:`side_by_side`).
     """
-    env = dict(runner_v2.ENVIRONMENT)
+    more = {**(env or {}), **runner_v2.ENVIRONMENT}
     if align:
-        env["PYTHONOPTIMIZE"] = "1"
+        more["PYTHONOPTIMIZE"] = "1"
     if asynchronous:
-        env[runner_v2.ASYNC_SCHEDULING] = "1"
-    report = run_engine(spec, workdir, env, module=runner_v2.MODULE)
+        more[runner_v2.ASYNC_SCHEDULING] = "1"
+    report = run_engine(spec, workdir, more, module=runner_v2.MODULE)
     assert report.async_scheduling is asynchronous
     return report
 

@@ -448,6 +448,7 @@ def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
         proc = subprocess.run([sys.executable, "-m", module, *argv], env=full_env,
                               capture_output=True, text=True, timeout=timeout)
         code, log = proc.returncode, proc.stdout + proc.stderr
+        log_path.write_text(log)
     if code != 0 or not report_path.exists():
         tail = "\n".join(log.splitlines()[-40:])
         raise RuntimeError(f"engine run failed (exit {code}):\n{tail}")

@@ -94,6 +94,16 @@ REGISTER: tuple[Patch, ...] = (
         until="runner V1 is gone (runner V2 has the model-state hooks the plugin uses)",
     ),
     Patch(
+        name="v2-runner-sample-logits", module="v2_runner",
+        what=("runner V2's GPUModelRunner.sample (wrapped: the original runs, with the "
+              "model's compute_logits lent a copy-keeping wrapper while it does)"),
+        why=("a request-boundary checkpoint stores the logits that sampled a request's last "
+             "token; runner V2 keeps no logits after sampling, and its sampler may change "
+             "them in place"),
+        versions=ALL_VLLM,
+        until="runner V2 hands KV connectors the step's logits",
+    ),
+    Patch(
         name="kda-recoverssm-flag", module="cache_config",
         what="cache_config.use_kda_recoverssm, set where GLM-5.3 runs recovery",
         why=("vLLM derives it only for Kimi's KDA RecoverSSM; runner V2 builds its "

@@ -120,16 +120,22 @@ def test_start_up_refuses_what_the_connector_cannot_checkpoint(
     )
 
     cfg = build_config(*MTP3, *kv_arg(GOOD))
-    with pytest.raises(ConnectorRefusedError, match="prefix caching's align-mode"):
+    with pytest.raises(ConnectorRefusedError,
+                       match="prefix caching .* needs vLLM's model runner V2.*"
+                             "--no-enable-prefix-caching"):
         check_kv_connector(with_prefix_caching(cfg, 16))
-    with on_gpu(), pytest.raises(ConnectorRefusedError, match="model runner V1 only"):
-        check_kv_connector(cfg)
     sched = copy.copy(cfg.scheduler_config)
     sched.async_scheduling = True
     async_cfg = copy.copy(cfg)
     object.__setattr__(async_cfg, "scheduler_config", sched)
-    with pytest.raises(ConnectorRefusedError, match="--no-async-scheduling"):
+    with pytest.raises(ConnectorRefusedError,
+                       match="asynchronous scheduling needs vLLM's model runner V2.*"
+                             "--no-async-scheduling"):
         check_kv_connector(async_cfg)
+    with on_gpu():  # runner V2 (vLLM's GPU default): async scheduling, prefix caching
+        check_kv_connector(cfg)
+        check_kv_connector(async_cfg)
+        check_kv_connector(with_prefix_caching(async_cfg, 16))
     qwen = write_tiny_qwen3_next(tmp_path / "qwen3-next")
     with pytest.raises(ValueError, match="is not GLM-5.3"):
         build_config(*MTP3, *kv_arg(GOOD), model=qwen)

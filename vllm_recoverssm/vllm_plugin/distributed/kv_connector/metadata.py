@@ -86,6 +86,9 @@ class RecoverSSMConnectorMetadata(_Base):  # type: ignore[misc]
     prompts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     block_ids: dict[str, BlockIds] = field(default_factory=dict)
     limits: dict[str, int] = field(default_factory=dict)
+    ends: dict[str, int] = field(default_factory=dict)
+    """Runner V2: per scheduled request, the most tokens its state may hold (its prompt
+    plus ``max_tokens``, capped by ``max_model_len``, less the last token)."""
 
 
 @dataclass

@@ -5,9 +5,10 @@
   ``[h, V, K]``, read and written through the layer's own typed views of its page. Which
   block and offset hold the state is the caller's choice (:class:`KdaSource`): under
   recovery the committed block at offset 0; under full state the accepted column
-  ``num_sampled - 1`` and the conv window at that offset (capture before compaction). A
-  restore writes the state at zero offset into the request's first block, where vLLM's
-  next prefill row reads it.
+  ``num_sampled - 1`` and the conv window at that offset (capture before compaction),
+  counted from the request's first block, or in align mode from the block vLLM keeps the
+  running state in. A restore writes the state at zero offset into the request's first
+  block (align mode: the block of the bundle's last token), where vLLM's next row reads it.
 * **Attention groups** (``AttentionSpec``: full attention, MLA, DSA indexer, MTP): the KV
   of the prefix as whole blocks ``[ceil(k / B), ...]`` of the block-major tensor vLLM hands
   ``register_kv_caches``. A restore writes the blocks past vLLM's own (block-aligned)
@@ -180,10 +181,12 @@ class PageLayout:
                 torch.empty(tuple(state.shape[1:]), dtype=state.dtype, device="meta"))
 
     def write(self, layers: Mapping[str, Mapping[str, torch.Tensor]], block_ids: BlockIds,
-              num_tokens: int, local_tokens: int) -> None:
-        """Write a checked bundle into a request's blocks (after :meth:`check`)."""
+              num_tokens: int, local_tokens: int, state_column: int = 0) -> None:
+        """Write a checked bundle into a request's blocks (after :meth:`check`); the KDA
+        state goes into block ``state_column`` of each KDA group (align mode: the block
+        of the bundle's last token, where vLLM looks for the running state)."""
         for layer in self.kda:
-            slot = int(block_ids[layer.group][0])
+            slot = int(block_ids[layer.group][state_column])
             if slot == 0:
                 raise BundleMismatch(f"{layer.name}: the request has no state block")
             tensors = layers[layer.name]
@@ -200,11 +203,14 @@ class PageLayout:
             att.tensor.index_copy_(0, index, layers[att.name][KV][first:blocks].to(
                 att.tensor.device))
 
-    def kda_destination_check(self, block_ids: BlockIds) -> None:
-        """Raise unless every KDA group has a state block to restore into."""
+    def kda_destination_check(self, block_ids: BlockIds, state_column: int = 0) -> None:
+        """Raise unless every KDA group has a state block (at ``state_column``) to
+        restore into."""
         for g in self.kda_groups:
-            if not block_ids[g] or int(block_ids[g][0]) == 0:
-                raise BundleMismatch(f"KV-cache group {g}: the request has no state block")
+            ids = block_ids[g]
+            if len(ids) <= state_column or int(ids[state_column]) == 0:
+                raise BundleMismatch(f"KV-cache group {g}: the request has no state block "
+                                     f"at column {state_column}")
 
 
 def _plain_attention(spec: Any) -> bool:

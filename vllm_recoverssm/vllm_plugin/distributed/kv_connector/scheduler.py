@@ -95,6 +95,9 @@ class SchedulerSide:
         self.interval = checkpoint_interval(settings, vllm_config)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.recovery = recovery_enabled(vllm_config)
+        self.v2 = compat.uses_v2_model_runner(vllm_config)
+        """Runner V2: the workers cut a finished request's state at its end themselves
+        (``ends``) and check each state's length before exporting it."""
         self.taps = not compat.platform_has_kda_kernels()
         """Whether the workers' KDA layers tap states inside a prefill chunk (the plugin's
         own prefill); with vLLM's kernels only chunk ends and responses are captured."""
@@ -302,8 +305,9 @@ class SchedulerSide:
         out = []
         for p, kind in points:
             offset = p - nc
-            if offset < n and not self.taps:
-                continue  # inside the chunk: no state tap on this platform
+            if 0 < offset < n and not self.taps:
+                continue  # inside the chunk: no state tap on this platform (the state at
+                # a chunk's start is the page's, read before the step)
             key = BundleKey(p, digests[p - 1])
             if self._complete(key) or self._is_pending(key):
                 continue
@@ -319,6 +323,11 @@ class SchedulerSide:
                      self._max_model_len - int(request.num_tokens))
         return max(budget, 1) if budget < num_drafts + 1 else None
 
+    def _end(self, request: Any) -> int:
+        """The most tokens the request can hold (prompt and output), by its budgets."""
+        return min(int(request.num_prompt_tokens) + int(request.max_tokens),
+                   self._max_model_len)
+
     def build_connector_meta(self, scheduler_output: Any) -> RecoverSSMConnectorMetadata:
         """This step's loads, exports and captures (before vLLM advances the requests)."""
         meta = RecoverSSMConnectorMetadata(loads=self._loads, exports=self._exports)
@@ -330,7 +339,16 @@ class SchedulerSide:
             if request is None:
                 continue
             nc = int(request.num_computed_tokens)
-            limit = self._limit(request, len(drafts.get(req_id, ())))
+            if self.v2:
+                # the host's count is an upper bound (drafts in flight count as accepted),
+                # so every step that can reach the request's end is named
+                end = self._end(request) - 1
+                if nc + int(n) >= end:
+                    meta.ends[req_id] = end
+                    meta.block_ids[req_id] = _block_ids(self._block_ids(req_id))
+                limit = None
+            else:
+                limit = self._limit(request, len(drafts.get(req_id, ())))
             if limit is not None:
                 meta.limits[req_id] = limit
             self._last_step[req_id] = (nc, limit)
@@ -358,7 +376,12 @@ class SchedulerSide:
         if request.status not in (status.FINISHED_STOPPED, status.FINISHED_LENGTH_CAPPED):
             return False
         k = int(request.num_computed_tokens)
-        if last is not None and last[1] is not None:
+        if self.v2:
+            # drafts in flight (asynchronous scheduling) are not computed tokens; the
+            # workers cut the state at the request's end and check its length
+            k = min(k - int(getattr(request, "num_output_placeholders", 0) or 0),
+                    int(request.num_tokens) - 1)
+        elif last is not None and last[1] is not None:
             # The workers kept the state after at most ``limit`` of the last step's tokens.
             k = min(k, last[0] + last[1])
         # A stop token inside accepted drafts cuts tokens the state already holds: the

@@ -5,10 +5,12 @@ Run in the front end after vLLM built its config (:func:`..engine_args.check_at_
 so every refusal is one line at engine start, before any process is spawned:
 
 * ``RecoverSSMCheckpointConnector``: its settings (:mod:`.settings`), and what it is
-  verified for: GLM-5.3, vLLM's model runner V1 without asynchronous scheduling, prefix
-  caching off (vLLM's align-mode state blocks are not verified: vLLM's CPU engine cannot run
-  them), pipeline parallel size 1. It also sets ``kv_load_failure_policy="recompute"``: a
-  restore that fails on any rank makes vLLM compute the request from scratch.
+  verified for: GLM-5.3; vLLM's model runner V2 (its GPU default) with asynchronous
+  scheduling and prefix caching (align mode) or without them, or runner V1 without both
+  (V1's commit limit needs each step's sampled tokens before the next step is planned, and
+  only V2's model state moves align-mode state blocks); pipeline parallel size 1. It also
+  sets ``kv_load_failure_policy="recompute"``: a restore that fails on any rank makes vLLM
+  compute the request from scratch.
 * ``LMCacheConnectorV1`` cannot hold a hybrid model's state (it does not support vLLM's
   hybrid KV-cache manager; vLLM would fail later with an obscure message): refused.
 * ``LMCacheMPConnector`` moves block-aligned state pages only, which needs prefix caching
@@ -51,13 +53,15 @@ def check_kv_connector(vllm_config: Any) -> None:
         if not glm:
             problem = (f"it checkpoints the plugin's GLM-5.3 KDA layers, and {arch} is not "
                        "GLM-5.3")
-        elif compat.uses_v2_model_runner(vllm_config):
-            problem = ("it runs under vLLM's model runner V1 only (its capture hooks follow "
-                       "V1's commit after sampling); unset VLLM_USE_V2_MODEL_RUNNER")
-        elif vllm_config.scheduler_config.async_scheduling:
-            problem = "asynchronous scheduling is not supported; pass --no-async-scheduling"
-        elif cache.enable_prefix_caching and cache.mamba_cache_mode == "align":
-            problem = ("prefix caching's align-mode state blocks are not supported yet; pass "
+        elif (vllm_config.scheduler_config.async_scheduling
+              and not compat.uses_v2_model_runner(vllm_config)):
+            problem = ("asynchronous scheduling needs vLLM's model runner V2 (its default on "
+                       "GPUs): remove VLLM_USE_V2_MODEL_RUNNER=0 or pass "
+                       "--no-async-scheduling")
+        elif (cache.enable_prefix_caching and cache.mamba_cache_mode == "align"
+              and not compat.uses_v2_model_runner(vllm_config)):
+            problem = ("prefix caching (align-mode state blocks) needs vLLM's model runner "
+                       "V2 (its default on GPUs): remove VLLM_USE_V2_MODEL_RUNNER=0 or pass "
                        "--no-enable-prefix-caching")
         elif vllm_config.parallel_config.pipeline_parallel_size > 1:
             problem = "pipeline parallelism is not supported"

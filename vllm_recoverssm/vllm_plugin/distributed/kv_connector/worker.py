@@ -17,9 +17,20 @@ Under vLLM's model runner V1 a step runs, in this order:
    step's captures are finished in step 4 instead, since vLLM calls ``wait_for_save``
    before sampling then): build the step's prompt and interval bundles.
 
+Under model runner V2 (vLLM's default on GPUs) the order is the same, with V2's hooks:
+``handle_preemptions`` in its ``pre_forward``, the forward, sampling (the raw logits are
+kept by :func:`v2_runner.install_v2_sample_hook`), the model state's commit and then its
+boundary captures (:meth:`WorkerSide.after_step`: sampled counts, logits rows, and how
+many tokens each state holds), the drafter, and ``start_load_kv`` then ``wait_for_save``
+in its ``post_forward``.
+
 So every capture sees committed state: a response export reads the block the commit wrote
 (recovery: offset 0; full state: the accepted column and conv offset, vLLM's lazy layout),
-and a prefill capture is a prefill row's own state, which no commit touches.
+and a prefill capture is a prefill row's own state, which no commit touches. Under runner V2
+the worker also knows how many tokens each request's state holds after its last step, and
+exports a response only when that is the bundle's length: with asynchronous scheduling vLLM
+may run a step of a request that has already ended (drafts in flight are not accepted
+tokens), and a stop token inside accepted drafts leaves a state longer than the tokens kept.
 """
 
 from __future__ import annotations
@@ -33,12 +44,18 @@ import torch
 from ....checkpoint import CheckpointStore, RequestCheckpoint
 from ... import compat
 from ...config import recovery_enabled
-from ...patch import v1_runner
+from ...patch import v1_runner, v2_runner
 from ...worker.commit import (
     register_commit_limit,
     sampled_counts,
     settle_pending,
     settle_requests,
+)
+from ...worker.model_state import (
+    NO_END,
+    BoundaryCaptureStep,
+    register_boundary_capture,
+    register_state_ends,
 )
 from . import taps
 from .identity import layout_identity
@@ -67,8 +84,20 @@ class Sampled:
     its last sampled token (on the device), and the step."""
 
     step: int
-    num_sampled: int
+    num_sampled: int | torch.Tensor
     logits: torch.Tensor
+    state_len: int | torch.Tensor | None = None
+    """Tokens the request's state holds after the step (-1: overwritten; None: not known,
+    runner V1, whose commit limit keeps it right)."""
+    state_column: int | torch.Tensor = 0
+    """The block column holding the state (align mode: vLLM's running-state column)."""
+    bias: int | torch.Tensor | None = None
+    """Runner V2: the accepted state's column offset and conv offset from
+    ``state_column`` (0 under recovery)."""
+
+
+class StaleStateError(ValueError):
+    """A request's state holds other tokens than its bundle would be keyed by."""
 
 
 @dataclass
@@ -78,6 +107,11 @@ class WorkerStats:
     exported: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "interval": 0,
                                                                "response": 0})
     export_failures: int = 0
+    stale_exports: int = 0
+    """Response bundles not exported because the state had moved on (module docstring)."""
+    steps_past_end: int = 0
+    """Runner V2: steps a request ran after its state reached its end (asynchronous
+    scheduling); its export reads the state kept at the end."""
     published: int = 0
     restored: int = 0
     restored_tokens: int = 0
@@ -96,15 +130,20 @@ class WorkerSide:
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any,
                  settings: ConnectorSettings) -> None:
-        if compat.uses_v2_model_runner(vllm_config):
-            raise LayoutError("RecoverSSMCheckpointConnector runs under vLLM's model runner "
-                              "V1 only")
+        self.v2 = compat.uses_v2_model_runner(vllm_config)
+        if self.v2 and settings.capture_stage == "pre_commit":
+            raise LayoutError("the test-only pre_commit capture stage runs under runner V1")
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.settings = settings
         self.rank, self.size = compat.tensor_parallel_rank_size()
         self.recovery = recovery_enabled(vllm_config)
         self.speculative = vllm_config.speculative_config is not None
+        cache = vllm_config.cache_config
+        self.align_block = (int(cache.mamba_block_size) if cache.enable_prefix_caching
+                            and cache.mamba_cache_mode == "align" else 0)
+        """Align mode: the state block size (a request's state after ``n`` tokens lives in
+        block column ``(n - 1) // align_block``); 0 otherwise (column 0)."""
         self.identity = layout_identity(vllm_config, kv_cache_config, self.rank, self.size,
                                         self.recovery)
         self._identity_digest = self.identity.digest()
@@ -130,6 +169,17 @@ class WorkerSide:
         self._failed_keys: list[BundleKey] = []
         self._logits: torch.Tensor | None = None
         self._spec_meta: Any = None
+        self._at_end: dict[str, tuple[int, dict[str, dict[str, torch.Tensor]]]] = {}
+        """Runner V2: a request's state read in the step it reached its end (its length,
+        its KDA tensors): a later step of it (asynchronous scheduling) may write over it."""
+        self._at_start: dict[BundleKey, dict[str, dict[str, torch.Tensor]]] = {}
+        """This step's captures at a row's first token, read before the forward."""
+        self._logit_starts: torch.Tensor | None = None
+        if self.v2:
+            register_state_ends(self.state_ends)
+            register_boundary_capture(self.after_step)
+            v2_runner.install_v2_sample_hook(self.after_sampling)
+            return
         register_commit_limit(self.commit_limit)
         v1_runner.install_v1_sample_hook(self.before_sampling)
         v1_runner.install_v1_after_sampling_hook(self.after_commit, AFTER_COMMIT_ORDER)
@@ -166,40 +216,77 @@ class WorkerSide:
         for export in meta.exports:
             self._export(export)
         self._captures = list(meta.captures)
+        self._at_start = {}
         planned: dict[tuple[int, int], taps.RowTaps] = {}
         for capture in self._captures:
             if capture.offset >= capture.chunk_len:
                 continue  # the chunk's end: read from the page after the forward
             ids = meta.block_ids[capture.req_id]
+            # align mode: vLLM moved the row's state into the block of the chunk's end
+            # before the forward, and the row computes there
+            column = self._column(capture.key.num_tokens - capture.offset + capture.chunk_len)
+            if capture.offset == 0:
+                # the state the row starts from is the page's now, whichever path the row
+                # takes (a one-token last chunk may run as a decode row, with no taps)
+                try:
+                    self._at_start[capture.key] = self.layout.read_kda(
+                        self._kda_source(ids, 0, column))
+                except Exception as exc:
+                    logger.warning("%s checkpoint of %d tokens: the state is unreadable "
+                                   "(%s)", capture.kind, capture.key.num_tokens, exc)
+                continue
             for g in self.layout.kda_groups:
-                slot = int(ids[g][0])
+                slot = int(ids[g][column])
                 old = planned.get((g, slot))
                 offsets = (old.offsets if old else ()) + (capture.offset,)
                 keys = (old.keys if old else ()) + (capture.key,)
                 planned[(g, slot)] = taps.RowTaps(offsets, keys, capture.chunk_len)
         taps.install(planned)
 
-    def _kda_source(self, block_ids: Any, bias: int) -> KdaSource:
+    def _column(self, num_tokens: int) -> int:
+        """The block column of a state after ``num_tokens`` tokens (align mode), else 0."""
+        return (num_tokens - 1) // self.align_block if self.align_block else 0
+
+    def _kda_source(self, block_ids: Any, bias: int, column: int = 0) -> KdaSource:
         assert self.layout is not None
         per_group = {}
         for g in self.layout.kda_groups:
             ids = block_ids[g]
-            if len(ids) <= bias or 0 in (ids[0], ids[bias]):
-                raise ValueError(f"group {g}: no state block at column {bias} ({list(ids)})")
-            per_group[g] = (int(ids[0]), bias, int(ids[bias]))
+            at = column + bias
+            if len(ids) <= at or 0 in (ids[column], ids[at]):
+                raise ValueError(f"group {g}: no state block at column {at} ({list(ids)})")
+            per_group[g] = (int(ids[column]), bias, int(ids[at]))
         return KdaSource(per_group)
 
     def _export(self, export: Export) -> None:
         assert self.layout is not None
         try:
             last = self._last.get(export.req_id)
-            if self.settings.capture_stage == "pre_commit" and export.req_id in self._before:
+            at_end = self._at_end.pop(export.req_id, None)
+            held = None if last is None or last.state_len is None else int(last.state_len)
+            if at_end is not None and at_end[0] == export.key.num_tokens:
+                held = at_end[0]
+            else:
+                at_end = None
+            if held is not None and held != export.key.num_tokens:
+                raise StaleStateError(
+                    f"its state holds {held} tokens, not the {export.key.num_tokens} the "
+                    "bundle is for" if held >= 0 else
+                    "a step past its end wrote over its state")
+            if at_end is not None:
+                kda, bias = at_end[1], 0
+            elif last is not None and last.bias is not None:  # runner V2
+                bias = int(last.bias)
+                source = self._kda_source(export.block_ids, bias, int(last.state_column))
+                kda = self.layout.read_kda(source)
+            elif self.settings.capture_stage == "pre_commit" and export.req_id in self._before:
                 kda = self._before[export.req_id]  # deliberately wrong: before the commit
                 bias = 0
             else:
                 # Recovery committed and compacted: offset 0. Full state keeps vLLM's lazy
                 # layout: the accepted column and the conv window at that offset.
-                bias = 0 if self.recovery or last is None else max(last.num_sampled - 1, 0)
+                bias = 0 if self.recovery or last is None else max(int(last.num_sampled) - 1,
+                                                                    0)
                 kda = self.layout.read_kda(self._kda_source(export.block_ids, bias))
             attention = self.layout.read_attention(export.block_ids, export.key.num_tokens)
             logits = (last.logits.to("cpu", torch.float32, copy=True) if last is not None
@@ -211,6 +298,11 @@ class WorkerSide:
                       "bias_at_capture": bias})
             self.writer.submit(export.key, checkpoint)
             self.stats.exported["response"] += 1
+        except StaleStateError as exc:  # asynchronous scheduling, a stop token in drafts
+            logger.info("response checkpoint of request %s not exported: %s",
+                        export.req_id, exc)
+            self.stats.stale_exports += 1
+            self._failed_keys.append(export.key)
         except Exception as exc:  # a lost export is a future miss, never a failed step
             logger.warning("response checkpoint of request %s not exported: %s",
                            export.req_id, exc)
@@ -248,8 +340,10 @@ class WorkerSide:
                 raise ValueError("the bundle is for other tokens")
             layers = checkpoint.layers
             self.layout.check(layers, load.key.num_tokens)
-            self.layout.kda_destination_check(load.block_ids)
-            self.layout.write(layers, load.block_ids, load.key.num_tokens, load.local_tokens)
+            column = self._column(load.key.num_tokens)
+            self.layout.kda_destination_check(load.block_ids, column)
+            self.layout.write(layers, load.block_ids, load.key.num_tokens, load.local_tokens,
+                              column)
         except Exception as exc:
             reason = str(exc)
         if reason:
@@ -348,10 +442,59 @@ class WorkerSide:
             logger.warning("restored prompt: the stored first-token logits pick another "
                            "token than the engine's (max abs difference %.3g)", diff)
 
+    # -- sampling hooks (runner V2) -------------------------------------------------------------
+    def after_sampling(self, runner: Any, logits: torch.Tensor | None, input_batch: Any) -> None:
+        """Keep the step's raw logits (a copy) and where each batch row's rows start."""
+        if compat.layer_table(runner) is not self._layers or self.layout is None:
+            return
+        self._logits = logits
+        self._logit_starts = (None if logits is None
+                              else input_batch.cu_num_logits[: input_batch.num_reqs])
+
+    def state_ends(self, layers: dict[str, Any], req_ids: list[str | None]) -> list[int] | None:
+        """Per batch row, the most tokens its request's state may hold (its end)."""
+        ends = self._meta.ends
+        if layers is not self._layers or not ends:
+            return None
+        return [ends.get(r, NO_END) if r is not None else NO_END for r in req_ids]
+
+    def after_step(self, step: BoundaryCaptureStep) -> None:
+        """After the model state's commit: each request's sampled count, the logits row of
+        its last kept token and its state's length (nothing here reads the device)."""
+        if step.layers is not self._layers or self.layout is None:
+            return
+        logits, starts = self._logits, self._logit_starts
+        self._logits, self._logit_starts = None, None
+        if logits is None or starts is None:
+            return
+        last_rows = starts.to(torch.int64) + (step.num_sampled.to(torch.int64) - 1).clamp(min=0)
+        rows = logits[last_rows.clamp(max=logits.shape[0] - 1)]
+        ends = self._meta.ends
+        for i, req_id in enumerate(step.req_ids):
+            if req_id is None:
+                continue
+            end = ends.get(req_id)
+            if end is not None and req_id in self._at_end:
+                self.stats.steps_past_end += 1
+            elif end is not None and int(step.state_len[i]) == end:
+                # the request ends here: keep its state before any later step can run
+                ids = self._meta.block_ids.get(req_id)
+                if ids is not None:
+                    source = self._kda_source(ids, int(step.bias[i]),
+                                              int(step.state_column[i]))
+                    self._at_end[req_id] = (end, self.layout.read_kda(source))
+            self._last[req_id] = Sampled(self._step, step.num_sampled[i], rows[i],
+                                         step.state_len[i], step.state_column[i],
+                                         step.bias[i])
+            expected = self._expect_logits.pop(req_id, None)
+            if expected is not None:
+                self._check_logits(expected, rows[i])
+
     # -- captures ------------------------------------------------------------------------------
     def wait_for_save(self) -> None:
-        """With speculation, the step's last hook (after commit and drafter): captures."""
-        if self.speculative:
+        """With speculation or under runner V2, the step's last hook (after commit and
+        drafter): captures."""
+        if self.speculative or self.v2:
             self.finish_captures()
 
     def finish_captures(self) -> None:
@@ -372,7 +515,11 @@ class WorkerSide:
         ids = self._meta.block_ids[capture.req_id]
         k = capture.key.num_tokens
         if capture.offset >= capture.chunk_len:
-            kda = self.layout.read_kda(self._kda_source(ids, 0))
+            kda = self.layout.read_kda(self._kda_source(ids, 0, self._column(k)))
+        elif capture.offset == 0:
+            if capture.key not in self._at_start:
+                raise ValueError("its state was not readable before the step")
+            kda = self._at_start.pop(capture.key)
         else:
             got = tapped.get(capture.key, {})
             missing = [layer.name for layer in self.layout.kda if layer.name not in got]
@@ -405,6 +552,7 @@ class WorkerSide:
             self._last.pop(req_id, None)
             self._before.pop(req_id, None)
             self._expect_logits.pop(req_id, None)
+            self._at_end.pop(req_id, None)
         out = compat.KVConnectorTransferResults(
             finished_sending=self._sending, finished_recving=self._recving,
             failed_recving=self._failed)
