@@ -122,6 +122,14 @@ def test_dtype_is_refused_for_the_vllm_engine(capsys: pytest.CaptureFixture[str]
     assert "--dtype" in err and "reference" in err and err.count("\n") == 1
 
 
+def test_gpu_defaults_is_refused_for_the_reference_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SMALL, "--gpu-defaults", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-defaults" in err and "--engine vllm" in err and err.count("\n") == 1
+
+
 def test_prefix_caching_second_wave_hits(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["demo", "--device", "cpu", "--model", "test", "--requests", "4",
             "--max-new-tokens", "4", "--prefix-caching", "--json", "--no-progress"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vllm_recoverssm.harness import runner_v2
 from vllm_recoverssm.harness.oracle_drafter import write_oracle
 from vllm_recoverssm.harness.run_engine import (
     MODULE,
@@ -22,8 +23,6 @@ from vllm_recoverssm.harness.run_engine import (
     EngineRun,
     run_in_subprocess,
 )
-
-from . import runner_v2
 
 T = TypeVar("T")
 
@@ -72,7 +71,8 @@ def run_engine(spec: EngineRun, workdir: Path, env: dict[str, str] | None = None
 
 def run_v2(spec: EngineRun, workdir: Path, *, align: bool = False,
            asynchronous: bool = False, env: dict[str, str] | None = None) -> EngineReport:
-    """One engine under model runner V2 (:mod:`.runner_v2`), in a fresh process.
+    """One engine under model runner V2 (:mod:`vllm_recoverssm.harness.runner_v2`), in a
+    fresh process.
 
     ``align``: with ``PYTHONOPTIMIZE``, because vLLM's align-mode state-index step asserts
     that its input lives on a CUDA device before it launches its Triton kernel

@@ -3,7 +3,8 @@
 
 On a CUDA GPU a default ``vllm serve`` of GLM-5.3 with MTP drafting runs model runner V2,
 schedules asynchronously and turns prefix caching on in align mode. This launcher makes
-vLLM's CPU engine do the same, with the changes :mod:`.runner_v2` describes: Triton's
+vLLM's CPU engine do the same, with the changes
+:mod:`vllm_recoverssm.harness.runner_v2` describes: Triton's
 interpreter for V2's kernels, asynchronous scheduling turned back on after vLLM's CPU
 platform turned it off, and the oracle drafting in V2's n-gram speculator (pass
 ``--speculative-config '{"method": "ngram_gpu", ...}'`` and the oracle file in
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from . import runner_v2
+from vllm_recoverssm.harness import runner_v2
 
 runner_v2.prepare(asynchronous=True)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine import FUSED_LINE, MAX_TOKENS, ColdRun, oracle_file, prompts
-from tests.support.runner_v2 import ASYNC_LINE, oracle_speculative_config
 from tests.support.serve import metric_label, metric_value, vllm_serve
 from vllm_recoverssm.harness.oracle_drafter import CLASS_PATH, CONFIG_KEY
 from vllm_recoverssm.harness.random_loader import LOAD_FORMAT
 from vllm_recoverssm.harness.run_engine import decision_lines
+from vllm_recoverssm.harness.runner_v2 import ASYNC_LINE, oracle_speculative_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -91,6 +91,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    type=Directory("the checkpoint directory", create=True),
                    help="with --checkpoint disk: keep the bundles in DIR (default: a "
                         "temporary directory, removed afterwards)")
+    p.add_argument("--gpu-defaults", action="store_true",
+                   help="with --engine vllm: run every engine as vLLM does on a GPU (model "
+                        "runner V2, asynchronous scheduling, prefix caching in align mode); "
+                        "on a CPU V2's Triton kernels run in Triton's interpreter")
     p.add_argument("--separate-commit", action="store_true",
                    help="recovery: commit after each step on its own instead of inside the "
                         "next step's verify (with --engine vllm: the plugin's "
@@ -295,7 +299,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     check_checkpoint_dir(args)
     fields: dict[str, object] = dict(num_spec=args.num_spec, acceptance=args.acceptance,
                                      seed=args.seed, checkpoint=args.checkpoint,
-                                     fused_commit=not args.separate_commit)
+                                     fused_commit=not args.separate_commit,
+                                     gpu_defaults=args.gpu_defaults)
     if args.checkpoint_dir is not None:
         fields["checkpoint_dir"] = str(args.checkpoint_dir)
     if args.requests is not None:
@@ -326,6 +331,9 @@ def run_vllm(args: argparse.Namespace) -> int:
 def validate(args: argparse.Namespace) -> DemoOptions:
     """The demo's options from the flags; ``UsageError`` names a bad flag (nothing runs)."""
     check_checkpoint_dir(args)
+    if args.gpu_defaults:
+        raise flag_error("--gpu-defaults", "applies to --engine vllm only (the reference "
+                         "engine has no vLLM runner or scheduler; see --prefix-caching)")
     try:
         return DemoOptions(
             device=args.device, model=args.model, dtype=args.dtype, num_requests=args.requests,

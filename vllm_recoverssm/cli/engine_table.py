@@ -21,6 +21,12 @@ def format_engine_report(report: EngineDemoReport) -> str:
         f"  cache    {o.kv_cache_bytes / (1 << 20):.0f} MiB of KV cache "
         f"(--kv-cache-memory-bytes)",
         f"  commit   {report.commit}",
+    ]
+    if o.gpu_defaults:
+        lines.append("  runner   vLLM's GPU defaults: model runner V2, asynchronous scheduling, "
+                     "prefix caching in align mode (here on the CPU, V2's Triton kernels in "
+                     "Triton's interpreter)")
+    lines += [
         "",
     ]
     lines += table(

@@ -32,6 +32,7 @@ from ..config.models import model_spec_from_hf_config
 from ..config.state_mode import StateMode
 from ..state.planner import PlanConfig, plan
 from ..vllm_plugin.distributed.kv_connector.settings import CONNECTOR_NAME
+from . import runner_v2
 from .oracle_drafter import write_oracle
 from .run_engine import (
     COMMIT_MARK,
@@ -66,6 +67,12 @@ class EngineDemoOptions(BaseModel):
         default=True, description="recovery commits as the plugin does by default (no "
                                   "recoverssm_commit: inside the next verify where that "
                                   "applies); False: right after sampling ('eager')")
+
+    gpu_defaults: bool = Field(
+        default=False, description="run every engine as vLLM does on a GPU: model runner V2, "
+                                   "asynchronous scheduling, prefix caching in align mode "
+                                   "(on a CPU: runner V2's Triton kernels in Triton's "
+                                   "interpreter)")
 
     def model_post_init(self, _context: Any) -> None:
         """A store directory only makes sense for the disk backend."""
@@ -245,9 +252,18 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
         follow_ups = [[FollowUp(after=(0, i), extra=[rng.randrange(1, vocab) for _ in
                                                      range(options.follow_up_tokens)])
                        for i in range(options.num_requests)]]
-    engine = dict(enable_chunked_prefill=True, max_num_batched_tokens=32,
-                  max_num_seqs=options.max_num_seqs,
-                  kv_cache_memory_bytes=options.kv_cache_bytes)
+    engine: dict[str, Any] = dict(enable_chunked_prefill=True, max_num_batched_tokens=32,
+                                  max_num_seqs=options.max_num_seqs,
+                                  kv_cache_memory_bytes=options.kv_cache_bytes)
+    if options.gpu_defaults:
+        engine["enable_prefix_caching"] = True
+
+    def launch(run: EngineRun, runs: Path) -> EngineReport:
+        if not options.gpu_defaults:
+            return run_in_subprocess(run, runs)
+        return run_in_subprocess(run, runs, env=runner_v2.GPU_DEFAULTS,
+                                 module=runner_v2.MODULE)
+
     checkpoints: dict[str, WaveTwo] | None = None
     with tempfile.TemporaryDirectory(prefix="recoverssm-demo-") as tmp:
         root = Path(tmp) if workdir is None else workdir
@@ -265,7 +281,7 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
                              **fields)
 
         say("greedy continuations (full states, every draft wrong)")
-        cold = run_in_subprocess(spec("off", None), root / "runs")
+        cold = launch(spec("off", None), root / "runs")
         q = corruption_for(options.acceptance, options.num_spec)
         asked = [(p, o) for w in cold.waves for p, o in zip(w.prompts, w.outputs, strict=True)]
         if not asked:
@@ -274,15 +290,17 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
         modes: dict[str, EngineReport] = {}
         for name, mode in MODES.items():
             say(f"{StateMode(name).label} (recoverssm={mode})")
-            modes[name] = run_in_subprocess(spec(mode, oracle), root / "runs")
+            modes[name] = launch(spec(mode, oracle), root / "runs")
         if options.checkpoint is not None:
             store = (Path(options.checkpoint_dir) if options.checkpoint_dir is not None
                      else root / "checkpoints")
             checkpoints = {name: _restored_wave(options.checkpoint, store, name, modes[name],
-                                                oracle, spec, say, root / "runs")
+                                                oracle, spec, say, root / "runs", launch)
                            for name in MODES}
+    align = modes[StateMode.RECOVERY].kv.align_block_size
     p = plan(PlanConfig(model=model_spec_from_hf_config(config), tp=1,
-                        num_spec=options.num_spec, max_num_seqs=options.max_num_seqs))
+                        num_spec=options.num_spec, max_num_seqs=options.max_num_seqs,
+                        cache_mode="none" if align is None else "align", block_size=align))
     planner = {"recovery": p.layout("recovery_scratch").reserve_bytes_per_request,
                StateMode.FULL_STATE: p.layout("full").reserve_bytes_per_request}
     return EngineDemoReport(options=options, prompt_lengths=lengths, corruption=q,
@@ -291,25 +309,25 @@ def run_engine_demo(options: EngineDemoOptions, progress: Progress | None = None
 
 
 def _restored_wave(backend: str, store: Path, name: str, cold: EngineReport, oracle: str,
-                   spec: Callable[..., EngineRun], say: Progress, runs: Path) -> WaveTwo:
+                   spec: Callable[..., EngineRun], say: Progress, runs: Path,
+                   launch: Callable[[EngineRun, Path], EngineReport]) -> WaveTwo:
     """One mode's engine(s) with the connector; wave 2 against the same mode's cold one."""
     mode = MODES[StateMode(name)]
     if backend == "ram":
         say(f"{StateMode(name).label} with RAM checkpoints, both waves in one engine")
         kv = checkpoint_config("ram", None)
-        both = run_in_subprocess(spec(mode, oracle, kv_transfer_config=kv), runs)
+        both = launch(spec(mode, oracle, kv_transfer_config=kv), runs)
         return WaveTwo(backend, cold.waves[1], both.waves[1], both.connector or {},
                        bool(both.checkpoints_flushed), both.deferred_commit_steps,
                        both.export_settles)
     kv = checkpoint_config("disk", store)
     say(f"{StateMode(name).label} with disk checkpoints, wave 1 (exports)")
-    first = run_in_subprocess(spec(mode, oracle, waves=[], kv_transfer_config=kv),
-                              runs)
+    first = launch(spec(mode, oracle, waves=[], kv_transfer_config=kv), runs)
     second_prompts = cold.waves[1].prompts
     say(f"{StateMode(name).label} with disk checkpoints, wave 2 in a fresh engine process "
         "(restores)")
-    second = run_in_subprocess(spec(mode, oracle, prompts=second_prompts, waves=[],
-                                    kv_transfer_config=kv), runs)
+    second = launch(spec(mode, oracle, prompts=second_prompts, waves=[],
+                         kv_transfer_config=kv), runs)
     stats = dict(second.connector or {})
     stats["exported_by_first_engine"] = (first.connector or {}).get("exported", {})
     return WaveTwo(backend, cold.waves[1], _wave_of(second, second_prompts), stats,

@@ -105,6 +105,8 @@ class KVReport(BaseModel):
     """The recovery record scratch of all layers (0 with full states), rank 0's."""
     scratch_bytes_per_rank: list[int] = Field(default_factory=list)
     """The same for every tensor-parallel rank, sized by that rank's heads."""
+    align_block_size: int | None = None
+    """Prefix caching in align mode: tokens per state block (None in other modes)."""
 
 
 class WaveReport(BaseModel):
@@ -448,7 +450,6 @@ def run_in_subprocess(spec: EngineRun, workdir: Path, *, timeout: float = 900,
         proc = subprocess.run([sys.executable, "-m", module, *argv], env=full_env,
                               capture_output=True, text=True, timeout=timeout)
         code, log = proc.returncode, proc.stdout + proc.stderr
-        log_path.write_text(log)
     if code != 0 or not report_path.exists():
         tail = "\n".join(log.splitlines()[-40:])
         raise RuntimeError(f"engine run failed (exit {code}):\n{tail}")

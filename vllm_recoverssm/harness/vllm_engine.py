@@ -98,7 +98,10 @@ def kv_allocation(llm: Any) -> dict[str, Any]:
         spec = group.kv_cache_spec
         blocks = max(blocks, spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
     per_rank = [int(n) for n in llm.apply_model(recovery_scratch_bytes)]
+    cache = vllm_config.cache_config
+    align = cache.enable_prefix_caching and cache.mamba_cache_mode == "align"
     return dict(
+        align_block_size=int(cache.mamba_block_size) if align else None,
         num_blocks=int(kv_config.num_blocks), allocated_bytes=allocated,
         bytes_per_block=per_block, blocks_per_request=int(blocks),
         state_bytes_per_request=per_block * int(blocks),

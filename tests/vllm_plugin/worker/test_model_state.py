@@ -3,7 +3,8 @@
 On a GPU, vLLM 0.32 and 0.33 run hybrid models with runner V2, whose model state commits
 recovery after sampling (``worker/model_state.py``), and turn prefix caching on in align
 mode. The other engine tests run vLLM's CPU default, runner V1. Here the same engine runs
-V2 (:mod:`.runner_v2` says how: Triton's interpreter, and the oracle drafting in place of
+V2 (:mod:`vllm_recoverssm.harness.runner_v2` says how: Triton's interpreter, and the
+oracle drafting in place of
 V2's n-gram speculator), and the greedy tokens must be those of a cold full-state run:
 
 * without prefix caching: the default commit (fused into the next verify) at S = 3

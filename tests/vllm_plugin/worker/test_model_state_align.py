@@ -2,7 +2,8 @@
 
 On a GPU, vLLM 0.32 and 0.33 run hybrid models with runner V2 and turn prefix caching on
 in align mode: every state block's end keeps the state there for later prompts. Here the
-same engine runs V2 (:mod:`.runner_v2` says how), in two waves whose second one hits the
+same engine runs V2 (:mod:`vllm_recoverssm.harness.runner_v2` says how), in two waves
+whose second one hits the
 prefix cache, and the greedy tokens of every engine must be those of a cold run without
 prefix caching: full states, the default commit (fused, except for rows at a state
 block's end) in a tight block pool, again with vLLM's asynchronous scheduling, with

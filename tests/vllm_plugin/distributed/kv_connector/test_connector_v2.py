@@ -1,6 +1,6 @@
 """``RecoverSSMCheckpointConnector`` under vLLM's GPU defaults for the runner and the
 scheduler: model runner V2, with and without asynchronous scheduling, on vLLM's CPU engine
-(:mod:`tests.support.runner_v2` says how V2 runs there).
+(:mod:`vllm_recoverssm.harness.runner_v2` says how V2 runs there).
 
 The scenario is :mod:`tests.support.checkpoints`' (exact prompts, a changed tail, a
 follow-up turn), in one engine with the RAM store, drafting the cold continuation with 30%

@@ -26,7 +26,8 @@ n-gram drafting are Triton kernels. The CPU build's Triton has none, so this lau
 
 Everything else (scheduler, runner V2, its model state and commit, the plugin) is vLLM's
 and ours, unchanged. It runs in a fresh process: the fork server has imported vLLM before
-any of this could apply.
+any of this could apply. The tests and ``recoverssm demo --engine vllm --gpu-defaults``
+launch engines through it (:data:`GPU_DEFAULTS` is that demo's environment).
 """
 
 from __future__ import annotations
@@ -35,12 +36,17 @@ import os
 import sys
 from typing import Any
 
-MODULE = "tests.support.runner_v2"
+MODULE = "vllm_recoverssm.harness.runner_v2"
 ENVIRONMENT = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 ASYNC_SCHEDULING = "RECOVERSSM_TEST_ASYNC_SCHEDULING"
 """Environment variable: ``1`` runs the engine with asynchronous scheduling (docstring)."""
 ASYNC_LINE = "recoverssm tests: asynchronous scheduling turned on"
 """Printed to stderr whenever the launchers set vLLM's config to schedule asynchronously."""
+GPU_DEFAULTS = {**ENVIRONMENT, ASYNC_SCHEDULING: "1", "PYTHONOPTIMIZE": "1"}
+"""Runner V2 with asynchronous scheduling, for engines with prefix caching in align mode:
+``PYTHONOPTIMIZE`` because vLLM's align-mode state-index step asserts that its input lives
+on a CUDA device before it launches its Triton kernel, which runs in the interpreter on
+CPU tensors like every other."""
 
 
 def _name_a_cpu_backend() -> None:
@@ -144,7 +150,7 @@ def prepare(asynchronous: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.support.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
+    """``python -m vllm_recoverssm.harness.runner_v2 SPEC REPORT`` (see ``run_engine.main``)."""
     prepare(asynchronous=os.environ.get(ASYNC_SCHEDULING) == "1")
     _oracle_as_ngram()
     from vllm_recoverssm.harness.run_engine import main as run_main
