@@ -14,10 +14,10 @@ keeps fewer tokens than it sampled. A registered end provider (:func:`register_s
 the checkpoint connector) names each row's last token position its state may hold; the
 commit then counts only the kept tokens, so a finished request's page holds the state of
 its final tokens. With asynchronous scheduling vLLM may run one more step of a request that
-has already ended (it was planned before the end was known): that step's rows count zero
-tokens, so the state its export reads is still the state at the end. In align mode the
-counts stay vLLM's (its block-aligned state copies read them too); the connector then
-checks each state's length before it exports.
+has already ended (it was planned before the end was known): that step counts no token,
+and its state is reported overwritten (-1), so the connector exports the state it read at
+the end. In align mode the counts stay vLLM's (its block-aligned state copies read them
+too); the connector then checks each state's length before it exports.
 """
 
 from __future__ import annotations
@@ -78,12 +78,6 @@ def register_state_ends(ends: StateEnds) -> None:
         _ends.append(ends)
 
 
-def unregister_state_ends(ends: StateEnds) -> None:
-    """Stop consulting ``ends``."""
-    if ends in _ends:
-        _ends.remove(ends)
-
-
 def register_boundary_capture(hook: BoundaryCapture) -> None:
     """Run ``hook`` after every step's commit (request-boundary checkpoint exporters)."""
     if hook not in _captures:
@@ -102,6 +96,8 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, model: Any, encoder_cache: Any,
                  device: torch.device) -> None:
         self.use_recovery = recovery_enabled(vllm_config)
+        self._step_req_ids: list[str | None] | None = None
+        """The requests of the step's batch rows (named at ``prepare_attn``)."""
         if self.use_recovery:
             mark_kda_recoverssm(vllm_config)
         super().__init__(vllm_config, model, encoder_cache, device)
@@ -134,16 +130,19 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         super().postprocess_state(idx_mapping, committed, num_computed_tokens)
         self.run_boundary_captures(idx_mapping, num_sampled, num_computed_tokens, cut)
 
+    @staticmethod
+    def _computed(idx_mapping: torch.Tensor, num_computed_tokens: torch.Tensor) -> torch.Tensor:
+        """Per batch row, the tokens vLLM counts as computed after the step."""
+        return num_computed_tokens[idx_mapping.clamp(min=0).long()].to(torch.int64)
+
     def _kept_counts(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor | int,
                      num_computed_tokens: torch.Tensor | None,
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Per row, the sampled tokens its state keeps and the most tokens it may hold, or
         None when no row has an end."""
+        req_ids = self._step_req_ids
         if (not _ends or isinstance(num_sampled, int) or num_computed_tokens is None
-                or not idx_mapping.shape[0]):
-            return None
-        req_ids = getattr(self, "_step_req_ids", None)
-        if req_ids is None:
+                or not idx_mapping.shape[0] or req_ids is None):
             return None
         layers = compat.layer_table(self.vllm_config)
         limit: torch.Tensor | None = None
@@ -156,8 +155,7 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         if limit is None:
             return None
         # the state holds every computed token; past the end those were sampled but cut
-        after = num_computed_tokens[idx_mapping.clamp(min=0).long()].to(torch.int64)
-        over = (after - limit).clamp(min=0)
+        over = (self._computed(idx_mapping, num_computed_tokens) - limit).clamp(min=0)
         kept = (num_sampled.to(torch.int64) - over).clamp(min=0).to(num_sampled.dtype)
         return kept, limit
 
@@ -186,7 +184,7 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         else:
             column = torch.zeros_like(rows)
         state_len = self._state_len(idx_mapping, num_sampled, num_computed_tokens, cut)
-        req_ids = list(getattr(self, "_step_req_ids", []) or [])[: idx_mapping.shape[0]]
+        req_ids = list(self._step_req_ids or [])[: idx_mapping.shape[0]]
         req_ids += [None] * (idx_mapping.shape[0] - len(req_ids))
         step = BoundaryCaptureStep(idx_mapping, counts, num_computed_tokens,
                                    self.use_recovery, bias, req_ids,
@@ -201,18 +199,16 @@ class RecoverMambaHybridModelState(MambaHybridModelState):  # type: ignore[misc]
         rows = idx_mapping.shape[0]
         if num_computed_tokens is None:
             return torch.full((rows,), -1, dtype=torch.int64, device=num_sampled.device)
-        after = num_computed_tokens[idx_mapping.clamp(min=0).long()].to(torch.int64)
+        after = self._computed(idx_mapping, num_computed_tokens)
         if cut is None:
             return after
         kept, limit = cut
-        if self._align_mode:
-            # the commit counted vLLM's tokens: the state holds them all, unless a step
-            # past the end wrote over it
-            overwritten = (kept == 0) & (num_sampled > 0)
-            return torch.where(overwritten, torch.full_like(after, -1), after)
-        # the commits counted the kept tokens only (recovery), or the accepted column is
-        # the last kept token's (full states); a step that kept none ran past the end,
-        # over a state that is no longer the end's (full states: its columns; recovery:
-        # a verify whose commit counts nothing leaves the conv history misplaced)
+        # align mode: the commit counted vLLM's tokens, so the state holds them all;
+        # otherwise the commits counted the kept tokens only (recovery), or the accepted
+        # column is the last kept token's (full states)
+        held = after if self._align_mode else torch.minimum(after, limit)
+        # a step that kept none ran past the end, over a state that is no longer the
+        # end's (full states: its columns; recovery: a verify whose commit counts nothing
+        # leaves the conv history misplaced)
         overwritten = (kept == 0) & (num_sampled > 0)
-        return torch.where(overwritten, torch.full_like(after, -1), torch.minimum(after, limit))
+        return torch.where(overwritten, torch.full_like(held, -1), held)

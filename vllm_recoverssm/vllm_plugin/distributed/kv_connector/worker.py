@@ -460,15 +460,18 @@ class WorkerSide:
 
     def after_step(self, step: BoundaryCaptureStep) -> None:
         """After the model state's commit: each request's sampled count, the logits row of
-        its last kept token and its state's length (nothing here reads the device)."""
+        its last kept token (empty where the runner computed none here) and its state's
+        length; the device is read only for rows that may reach their end."""
         if step.layers is not self._layers or self.layout is None:
             return
         logits, starts = self._logits, self._logit_starts
         self._logits, self._logit_starts = None, None
-        if logits is None or starts is None:
-            return
-        last_rows = starts.to(torch.int64) + (step.num_sampled.to(torch.int64) - 1).clamp(min=0)
-        rows = logits[last_rows.clamp(max=logits.shape[0] - 1)]
+        rows: torch.Tensor | None = None
+        if logits is not None and starts is not None:
+            last_rows = (starts.to(torch.int64)
+                         + (step.num_sampled.to(torch.int64) - 1).clamp(min=0))
+            rows = logits[last_rows.clamp(max=logits.shape[0] - 1)]
+        no_logits = torch.empty(0, dtype=torch.float32)
         ends = self._meta.ends
         for i, req_id in enumerate(step.req_ids):
             if req_id is None:
@@ -483,12 +486,13 @@ class WorkerSide:
                     source = self._kda_source(ids, int(step.bias[i]),
                                               int(step.state_column[i]))
                     self._at_end[req_id] = (end, self.layout.read_kda(source))
-            self._last[req_id] = Sampled(self._step, step.num_sampled[i], rows[i],
+            row = rows[i] if rows is not None else no_logits
+            self._last[req_id] = Sampled(self._step, step.num_sampled[i], row,
                                          step.state_len[i], step.state_column[i],
                                          step.bias[i])
             expected = self._expect_logits.pop(req_id, None)
             if expected is not None:
-                self._check_logits(expected, rows[i])
+                self._check_logits(expected, row)
 
     # -- captures ------------------------------------------------------------------------------
     def wait_for_save(self) -> None:
