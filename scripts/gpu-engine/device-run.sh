@@ -14,7 +14,11 @@
 #                          files HEAD lacks, such as a new test, stay the tree's)
 #   RECOVERSSM_GPU_CASES   comma-separated cases (tests/support/gpu_engine/session.py)
 #   RECOVERSSM_GPU_BUDGET_S  seconds for all cases (default: 420)
-# Writes pytest.log, results.tar.xz (every engine's report, the session log) under $OUT.
+# Writes pytest.log, results.tar.xz (every engine's report, the session log) and
+# triton-cache.tar.xz (the compiled Triton kernels) under $OUT. Unpacked into
+# .gpu-engine/triton-cache and carried with the next call, that cache spares its first
+# engine the kernels' compilation (about 150 s on an H100); Triton keys it by source,
+# GPU and version, so a stale entry is recompiled, never reused.
 set -uo pipefail
 T0=$SECONDS
 REPO=$(pwd)
@@ -50,11 +54,16 @@ export RECOVERSSM_CUDA_WINDOW=${RECOVERSSM_CUDA_WINDOW:-0} VLLM_USE_FLASHINFER_S
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 export RECOVERSSM_GPU_BUDGET_S=${RECOVERSSM_GPU_BUDGET_S:-420} RECOVERSSM_GPU_OUT=$R
+export TRITON_CACHE_DIR=/tmp/triton-cache
+rm -rf $TRITON_CACHE_DIR && mkdir -p $TRITON_CACHE_DIR
+[ -d "$REPO/.gpu-engine/triton-cache" ] && cp -r "$REPO/.gpu-engine/triton-cache/." $TRITON_CACHE_DIR/ \
+    && echo "[gpu-engine] Triton cache: $(ls $TRITON_CACHE_DIR | wc -l) kernels carried"
 
 # 4. The tests.
 cd $W && python3 -m pytest -p no:cacheprovider -q -s -rA -m gpu tests/harness/test_gpu_engine.py "$@" \
     2>&1 | grep -v " DEBUG " | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 tar cJf "$OUT/results.tar.xz" -C $R --exclude tiny-glm53 . 2>/dev/null
+tar cJf "$OUT/triton-cache.tar.xz" -C $TRITON_CACHE_DIR . 2>/dev/null
 echo "[gpu-engine] pytest rc=$rc, total $((SECONDS - T0)) s"
 exit "$rc"
