@@ -236,7 +236,9 @@ def test_check_json(capsys):
                         "--gpu-capability", "sm120", "--kernel-backend", "b12x"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["use_recovery"] is True and data["mode"] == "auto"
+    # eligible, but SM120 has not run vLLM's GPU engine tests: auto keeps full states
+    assert data["use_recovery"] is False and data["mode"] == "auto"
+    assert data["failures"] == [] and "SM120" in data["reasons"][0]
     assert data["deployment"]["gpu_capability"] == [12, 0]
     assert data["deployment"]["spec_method"] == "dflash"
 

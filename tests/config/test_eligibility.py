@@ -93,8 +93,7 @@ def test_good_deployment_is_eligible_everywhere():
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CONDITIONS)])
 def test_each_condition_both_ways(name, ok, bad, words):
     assert check_conditions(dep(**ok)) == [], ok
-    good = decide(dep(**ok), "auto")
-    assert good.use_recovery
+    assert decide(dep(**ok), "on").use_recovery
 
     failing = dep(**bad)
     fails = check_conditions(failing)
@@ -140,6 +139,29 @@ def test_opt_in_architectures(arch):
     assert "only for GLM-5.3" in auto.reasons[0]
     assert decide(d, "on").use_recovery
     assert not decide(d, "off").use_recovery
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (10, 0), (12, 0), (12, 1)])
+def test_auto_keeps_full_states_on_a_gpu_not_yet_proven(cap):
+    d = dep(gpu_capability=cap, kernel_backend="triton")
+    assert check_conditions(d) == []
+    auto = decide(d)
+    assert not auto.use_recovery and auto.failures == []
+    [reason] = auto.reasons
+    assert f"SM{cap[0]}{cap[1]}" in reason and "SM90 (H100, H200)" in reason
+    assert "--use-replayssm" in reason
+    forced = decide(d, "on")
+    assert forced.use_recovery and "not yet proven" in forced.reasons[-1]
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (9, 1)])
+def test_auto_turns_recovery_on_where_the_gpu_engine_tests_passed(cap):
+    got = decide(dep(gpu_capability=cap))
+    assert got.use_recovery and len(got.reasons) == 1 and "SM" not in got.reasons[0]
+
+
+def test_auto_on_the_cpu_platform_needs_no_proven_gpu():
+    assert decide(dep(device="cpu", gpu_capability=None, kernel_backend="reference")).use_recovery
 
 
 @pytest.mark.parametrize("arch", GLM53_ARCHITECTURES)

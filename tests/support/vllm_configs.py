@@ -66,31 +66,3 @@ def with_prefix_caching(vllm_config: Any, block_size: int = 16) -> Any:
     cache.mamba_block_size = block_size
     object.__setattr__(cfg, "cache_config", cache)
     return cfg
-
-
-def recording_b12x(num_heads: int, num_spec: int, max_seqs: int = 8) -> Any:
-    """Our b12x adapter with its two kernel calls replaced by the PyTorch reference.
-
-    b12x's kernels need an SM12x GPU; this double records what the plugin hands the
-    adapter (the arguments b12x binds) and computes the same results with our reference,
-    so a test sees both the routing and the numbers.
-    """
-    from vllm_recoverssm import ops
-    from vllm_recoverssm.ops.b12x_kda import B12xKdaRecovery
-
-    verify_recovery, commit = ops.verify_recovery, ops.commit  # before any test patches
-
-    class RecordingB12x(B12xKdaRecovery):
-        def __init__(self) -> None:
-            super().__init__(num_heads=num_heads, num_spec=num_spec, max_seqs=max_seqs)
-            self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-
-        def verify(self, *args: Any, **kwargs: Any) -> Any:
-            self.calls.append(("verify", args, kwargs))
-            return verify_recovery(*args, **kwargs, backend="reference")
-
-        def commit(self, *args: Any, **kwargs: Any) -> None:
-            self.calls.append(("commit", args, kwargs))
-            commit(*args, **kwargs, backend="reference")
-
-    return RecordingB12x()

@@ -14,6 +14,7 @@ from tests.support.vllm_configs import MTP3, on_gpu, with_prefix_caching
 from vllm_recoverssm.config import IneligibleError, RecoveryMode
 from vllm_recoverssm.vllm_plugin import CONFIG_KEY, register
 from vllm_recoverssm.vllm_plugin import config as plugin_config
+from vllm_recoverssm.vllm_plugin import kernels as plugin_kernels
 from vllm_recoverssm.vllm_plugin.config import (
     commit_summary,
     decide_for_vllm_config,
@@ -287,10 +288,12 @@ def test_fused_commit_falls_back_to_eager_and_says_why(build_config: Any) -> Non
         assert commit_summary(other) == (
             "commit: eager, not fused: a KV connector other than the plugin's may export "
             "the state between steps")
+    # SM12x with b12x installed: the plugin runs Triton there (vllm_plugin/kernels.py),
+    # whose verify fuses
     with on_gpu(capability=(12, 0), v2_runner=False), \
-            mock.patch.object(plugin_config, "choose_kernel_backend", lambda cap: "b12x"):
-        assert fused_commit_blockers(cfg) == [
-            "b12x runs verify and commit here and has no fused verify"]
+            mock.patch.object(plugin_kernels, "choose_kernel_backend", lambda cap: "b12x"):
+        assert deployment_from_vllm_config(cfg).kernel_backend == "triton"
+        assert fused_commit_blockers(cfg) == []
     off = build_config(*MTP3, "--additional-config",
                        '{"recoverssm": "off", "recoverssm_commit": "fused"}')
     assert not fused_commit_enabled(off) and commit_summary(off) is None

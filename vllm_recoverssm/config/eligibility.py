@@ -24,8 +24,10 @@ kv_connector             none, or an atomic request-boundary connector
 stochastic_rounding      off
 =======================  ================================================================
 
-Modes: ``auto`` (default) turns recovery on for GLM-5.3 when every condition holds and
-keeps full states otherwise (Kimi and Qwen3-Next only when asked); ``on`` forces it and
+Modes: ``auto`` (default) turns recovery on for GLM-5.3 when every condition holds and,
+on a CUDA GPU, the GPU is of an architecture where vLLM's GPU engine tests passed
+(:mod:`.proven_gpus`); it keeps full states otherwise (Kimi and Qwen3-Next only when
+asked); ``on`` forces it and
 raises :class:`IneligibleError` listing every failing condition; ``off`` keeps full
 speculative states (``--no-use-replayssm``).
 
@@ -42,6 +44,8 @@ from enum import Enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .proven_gpus import is_proven_gpu, unproven_gpu_reason
 
 GLM53_ARCHITECTURES: tuple[str, ...] = (
     "Glm5NextForCausalLM",
@@ -320,13 +324,20 @@ def decide(deployment: Deployment, mode: RecoveryMode | str = RecoveryMode.AUTO)
             if deployment.num_spec else
             "recovery turned off (--no-use-replayssm): full states are kept"
         ])
+    cap = deployment.gpu_capability
+    unproven = deployment.device == "cuda" and cap is not None and not is_proven_gpu(cap)
     if m is RecoveryMode.ON:
         if failures:
             raise IneligibleError(failures)
-        return Decision(mode=m, use_recovery=True, reasons=[
+        reasons = [
             f"recovery forced on and every condition holds for {arch}: one checkpoint per "
             f"request and layer instead of {deployment.num_spec + 1}",
-        ])
+        ]
+        if unproven:
+            assert cap is not None
+            reasons.append(f"SM{cap[0]}{cap[1]} is not yet proven in vLLM's GPU engine; "
+                           "recovery runs there because it was asked for")
+        return Decision(mode=m, use_recovery=True, reasons=reasons)
     # auto
     if failures:
         return Decision(mode=m, use_recovery=False, failures=failures, reasons=[
@@ -339,6 +350,9 @@ def decide(deployment: Deployment, mode: RecoveryMode | str = RecoveryMode.AUTO)
             f"{arch} is eligible, but recovery is automatic only for GLM-5.3; {family} "
             "models use it when asked (mode on / --use-replayssm)"
         ])
+    if unproven:
+        assert cap is not None
+        return Decision(mode=m, use_recovery=False, reasons=[unproven_gpu_reason(cap)])
     return Decision(mode=m, use_recovery=True, reasons=[
         f"every condition holds for {arch}: one checkpoint per request and layer instead "
         f"of {deployment.num_spec + 1}; use --no-use-replayssm (mode off) to keep full "

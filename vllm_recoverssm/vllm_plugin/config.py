@@ -28,9 +28,9 @@ from ..config import (
 )
 from ..config import commit_summary as summarize_commit
 from ..config import fused_commit_blockers as deployment_commit_blockers
-from ..ops.backends import choose_kernel_backend
 from . import compat
 from .compat import cuda_capability
+from .kernels import plugin_kernel_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -173,7 +173,7 @@ def deployment_from_vllm_config(
         "model_runner": "v2" if vllm_config.use_v2_model_runner else "v1",
         "device": device,
         "gpu_capability": cap,
-        "kernel_backend": "reference" if device == "cpu" else choose_kernel_backend(cap),
+        "kernel_backend": "reference" if device == "cpu" else plugin_kernel_backend(cap),
         "kv_connector": kv_connector_kind(vllm_config),
         "cache_mode": "align" if cache.mamba_cache_mode == "align" else "none",
         "stochastic_rounding": bool(getattr(mamba, "enable_stochastic_rounding", False)),

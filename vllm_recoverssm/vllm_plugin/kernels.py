@@ -1,36 +1,40 @@
-"""The b12x kernels of one KV-cache group, from a vLLM config.
+"""Which recovery kernels the plugin runs on a machine.
 
-Which kernels run on a machine is :func:`vllm_recoverssm.ops.backends.choose_kernel_backend`
-(our Triton/CUDA kernels on SM80+, b12x's CuTe kernels on SM12x where the installed b12x has
-the recovery API); this module only adds what needs a vLLM config: sizing b12x's adapter.
+:func:`vllm_recoverssm.ops.backends.choose_kernel_backend` picks for a machine: our Triton
+and CUDA kernels on SM80+, b12x's CuTe kernels on SM12x where the installed b12x has the
+recovery API. The plugin cannot hand its rows to b12x yet: b12x keeps a request's update
+records at its state slot (record pools of one row per state slot, checked by
+:class:`~vllm_recoverssm.ops.b12x_kda.B12xKdaRecovery`), while the plugin keeps them in
+scratch of ``max_num_seqs`` rows indexed by the step's row, so that no page vLLM caches or
+exports carries them. Until the plugin allocates per-slot record pools for b12x, SM12x runs
+our Triton kernels, and the plugin says so once.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
 
-import torch
+from ..ops.backends import KernelBackend, choose_kernel_backend
 
-from ..ops.b12x_kda import B12xKdaRecovery
-from ..ops.backends import choose_kernel_backend
-from .compat import cuda_capability
+__all__ = ["B12X_NOT_USED", "plugin_kernel_backend"]
 
-__all__ = ["b12x_recovery_for"]
+B12X_NOT_USED = (
+    "b12x is installed, but its recovery kernels keep update records per state slot and "
+    "the plugin keeps them per step row: the plugin's Triton kernels run on this SM12x GPU"
+)
+_said: list[bool] = []
 
 
-def b12x_recovery_for(vllm_config: Any, device: torch.device) -> B12xKdaRecovery | None:
-    """The b12x verify/commit of one KV-cache group, or None when Triton runs.
+def plugin_kernel_backend(capability: tuple[int, int] | None) -> KernelBackend | None:
+    """The kernels the plugin's recovery rows run on a GPU of ``capability`` (None: no
+    CUDA GPU, or one older than SM80): Triton wherever :func:`choose_kernel_backend`
+    would pick b12x (logged once, :data:`B12X_NOT_USED`)."""
+    picked = choose_kernel_backend(capability)
+    if picked != "b12x":
+        return picked
+    if not _said:
+        _said.append(True)
+        from .config import plugin_logger
 
-    b12x runs when ``device`` is a CUDA GPU for which :func:`choose_kernel_backend` picks
-    it (SM12x with a usable b12x). Verify and commit then both run on b12x: its records
-    and ours have one format, but a deployment never mixes the two.
-    """
-    if device.type != "cuda" or choose_kernel_backend(cuda_capability()) != "b12x":
-        return None
-    text = vllm_config.model_config.hf_text_config
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    return B12xKdaRecovery(
-        num_heads=int(text.linear_num_heads) // tp,
-        num_spec=int(vllm_config.num_speculative_tokens),
-        max_seqs=int(vllm_config.scheduler_config.max_num_seqs),
-    )
+        plugin_logger().log(logging.INFO, "vllm-recoverssm: %s", B12X_NOT_USED)
+    return "triton"

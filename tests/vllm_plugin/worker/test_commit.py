@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.vllm_configs import MTP3, on_gpu, recording_b12x, with_recovery_mode
+from tests.support.vllm_configs import MTP3, on_gpu, with_recovery_mode
 from vllm_recoverssm import ops
 from vllm_recoverssm.ops import reference as ref
 
@@ -256,30 +256,6 @@ def test_a_capture_under_the_fused_commit_sees_the_pending_records_committed(
             want = expected_state(m, inputs[name], slot, row, int(num_sampled[row]),
                                   pre[name][slot])
             torch.testing.assert_close(captured[0][name][slot], want, atol=1e-5, rtol=0)
-
-
-def test_b12x_commits_when_the_group_runs_on_b12x(
-    state_and_layers: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SM12x with b12x: the group's one commit goes to the adapter, never to ours."""
-    make, layers, gen = state_and_layers
-    state, meta = make(recovery=True)
-    b12x = recording_b12x(H, S)
-    meta.commit_context.b12x = b12x
-    pre = {n: m.kv_cache[1].clone() for n, m in layers.items()}
-    inputs = spec_step(layers, [3, 0, 5], gen)
-    monkeypatch.setattr(ops, "commit", lambda *a, **k: pytest.fail("ops.commit ran"))
-    num_sampled = torch.tensor([3, 4, 1], dtype=torch.int32)
-    postprocess_step(state, meta, num_sampled)
-    [(name, args, kwargs)] = b12x.calls
-    assert name == "commit" and len(args[0]) == len(NAMES)  # all layers in one call
-    assert args[3].dtype == args[4].dtype == torch.float32  # [L, H], [L, H, K]
-    assert kwargs["record_indices"].tolist() == [0, 1, 2]  # the step's scratch rows
-    for name, m in layers.items():
-        for row, slot in ((0, 3), (2, 5)):
-            want = expected_state(m, inputs[name], slot, row, int(num_sampled[row]),
-                                  pre[name][slot])
-            torch.testing.assert_close(m.kv_cache[1][slot], want, atol=1e-5, rtol=0)
 
 
 def test_full_state_mode_captures_without_commit(state_and_layers: Any) -> None:

@@ -51,7 +51,6 @@ from ...state.align_deferral import align_deferrable, align_step_may_commit, spl
 from ...state.commit_plan import build_align_commit_plan
 from .. import compat
 from ..config import fused_commit_enabled
-from ..kernels import b12x_recovery_for
 from ..worker.commit import register_commit_context
 from ..worker.commit_context import RecoveryCommitContext
 from ..worker.deferred_commit import DeferredCommits
@@ -226,7 +225,6 @@ class RecoverKDAMetadataBuilder(GDNAttentionMetadataBuilder):
         fused = fused_commit_enabled(vllm_config)
         self.commit_context = RecoveryCommitContext(
             layer_names, compat.layer_table(vllm_config),
-            b12x=b12x_recovery_for(vllm_config, device),
             deferred=DeferredCommits(int(vllm_config.scheduler_config.max_num_seqs), device)
             if fused else None,
         )

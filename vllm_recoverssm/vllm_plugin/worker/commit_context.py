@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import torch
 
 from ... import ops
-from ...ops.b12x_kda import B12xKdaRecovery
 from .. import compat
 from .deferred_commit import DeferredCommits
 from .state_layout import dim_first_conv_plan
@@ -31,7 +30,7 @@ class RecoveryCommitContext:
     """The KDA layers of one KV-cache group and what commit needs from them."""
 
     def __init__(self, layer_names: list[str], static_forward_context: dict[str, Any],
-                 ops_backend: str = "auto", b12x: B12xKdaRecovery | None = None,
+                 ops_backend: str = "auto",
                  deferred: DeferredCommits | None = None) -> None:
         self.deferred = deferred
         """Pending counts when commits are fused into the next verify (else None)."""
@@ -39,8 +38,6 @@ class RecoveryCommitContext:
         self.forward_context = static_forward_context
         """vLLM's layer table (``static_forward_context``) the layer names index."""
         self.ops_backend = ops_backend
-        self.b12x = b12x
-        """b12x's verify and commit for this group (SM12x), or None for our kernels."""
         self.validate: bool | None = None
         """Argument checks that read device values; default: only off CUDA (they sync)."""
         self._params: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -76,14 +73,8 @@ class RecoveryCommitContext:
         records = [m.recovery_records() for m in layers]
         pools = ([m.kv_cache[1] for m in layers], [r[0] for r in records],
                  [r[1] for r in records])
-        if self.b12x is not None:
-            self.b12x.commit(*pools, a_log, dt_bias, plan,
-                             lower_bound=layers[0].kda_lower_bound,
-                             record_indices=record_rows, validate=check)
-        else:
-            ops.commit(*pools, a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
-                       record_indices=record_rows, backend=self.ops_backend,
-                       validate=check)
+        ops.commit(*pools, a_log, dt_bias, plan, lower_bound=layers[0].kda_lower_bound,
+                   record_indices=record_rows, backend=self.ops_backend, validate=check)
         # One plan and one page layout for the whole group: the plan's checks read its
         # tensors back to the host, so they run with the first layer only.
         for index, m in enumerate(layers):

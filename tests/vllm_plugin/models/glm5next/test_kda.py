@@ -11,7 +11,7 @@ import torch
 
 from tests.support.kda_layers import bind_pages, make_layer, prompt_meta
 from tests.support.tiny_glm import CONV_WIDTH, HEAD_DIM, LINEAR_HEADS
-from tests.support.vllm_configs import MTP3, recording_b12x
+from tests.support.vllm_configs import MTP3
 from vllm_recoverssm import ops
 
 S = 3
@@ -58,15 +58,12 @@ def test_the_plugin_layer_replaces_vllms_and_reports_the_recovery_page(
     assert off.get_attn_backend() is GDNAttentionBackend
 
 
-@pytest.mark.parametrize("backend", ["ours", "b12x"])
-def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: None,
-                                              backend: str) -> None:
+def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: None) -> None:
     from vllm.forward_context import set_forward_context
 
     from vllm_recoverssm.vllm_plugin.attention.recover_kda import (
         RecoverKDAMetadata,
     )
-    from vllm_recoverssm.vllm_plugin.worker.commit_context import RecoveryCommitContext
     from vllm_recoverssm.vllm_plugin.worker.state_layout import dim_first_conv
 
     cfg = build_config(*MTP3)
@@ -92,11 +89,6 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
         non_spec_token_indx=torch.empty(0, dtype=torch.int32),
         num_accepted_tokens=torch.ones(n, dtype=torch.int32),
     )
-    b12x = None
-    if backend == "b12x":  # SM12x with b12x: the group's context carries the adapter
-        b12x = recording_b12x(h, S)
-        meta.commit_context = RecoveryCommitContext([layer.prefix], {layer.prefix: layer},
-                                                    b12x=b12x)
     out = torch.zeros(1, T, h, d, dtype=torch.bfloat16)
     with set_forward_context({layer.prefix: meta}, cfg):
         layer._forward(qkv, g1, beta, out)
@@ -118,15 +110,6 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
         lower_bound=-5.0, record_indices=rows)
 
     torch.testing.assert_close(out[0], want.to(out.dtype))
-    if b12x is not None:
-        # one adapter call per step, with what b12x binds: float32 gate parameters and
-        # the records addressed at the speculative rows' scratch rows
-        [(name, args, kwargs)] = b12x.calls
-        assert name == "verify"
-        assert args[5].dtype == args[6].dtype == torch.float32
-        assert torch.equal(args[8], slots) and torch.equal(kwargs["record_indices"], rows)
-        records = layer.recovery_records()
-        assert args[10] is records[0] and args[11] is records[1]
     assert out[0, S + 1: 2 * (S + 1)].abs().sum() == 0  # the null row
     assert out[0, : S + 1].abs().sum() > 0
     torch.testing.assert_close(layer.kv_cache[1], state0)  # verify never writes the checkpoint
@@ -136,6 +119,35 @@ def test_speculative_rows_run_recovery_verify(build_config: Any, distributed: No
     torch.testing.assert_close(layer.kv_cache[0], conv)
     assert not torch.equal(layer.kv_cache[0][4], conv0[4])  # the window advanced
     torch.testing.assert_close(layer.kv_cache[0][0], conv0[0])  # null block untouched
+
+
+def test_b12x_adapter_refuses_the_plugins_record_scratch(build_config: Any,
+                                                         distributed: None) -> None:
+    """Why the plugin runs Triton on SM12x (vllm_plugin/kernels.py): b12x's real adapter,
+    given a step's verify as the plugin's pages and record scratch hold it, refuses the
+    scratch's rows by name before any kernel would launch."""
+    from vllm_recoverssm.ops.b12x_kda import B12xKdaRecovery
+
+    cfg = build_config(*MTP3)
+    layer = make_layer(cfg, recovery=True)
+    blocks = 6
+    bind_pages(layer, cfg, blocks)
+    h, d, n = LINEAR_HEADS, HEAD_DIM, 3
+    T = n * (S + 1)
+    corrections, kg = layer.recovery_records()
+    assert corrections.shape[0] >= int(cfg.scheduler_config.max_num_seqs) > blocks  # rows
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(T, h, d, generator=gen).to(torch.bfloat16) for _ in range(3))
+    g = torch.randn(T, h, d, generator=gen).to(torch.bfloat16)
+    beta = torch.randn(T, h, generator=gen).to(torch.bfloat16)
+    adapter = B12xKdaRecovery(num_heads=h, num_spec=S,
+                              max_seqs=int(cfg.scheduler_config.max_num_seqs))
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=f"need {blocks} rows like the state pool"):
+        adapter.verify(q, k, v, g, beta, layer.A_log.detach().reshape(h).float(),
+                       layer.dt_bias.detach().reshape(h, d).float(), layer.kv_cache[1],
+                       slots, torch.arange(0, T + 1, S + 1, dtype=torch.int32), corrections,
+                       kg, lower_bound=-5.0, record_indices=torch.arange(n, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("recovery", [True, False], ids=["recovery", "full-state"])

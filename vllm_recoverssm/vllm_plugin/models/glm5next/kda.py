@@ -61,10 +61,9 @@ class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
         super().__init__(config, vllm_config, prefix)
         self.use_recovery = recovery_enabled(vllm_config)
         self.own_ops = not compat.platform_has_kda_kernels()
-        # Triton on CUDA tensors, the PyTorch reference elsewhere; on SM12x with b12x the
-        # group's commit context carries b12x's verify/commit and both run there.
+        # Triton on CUDA tensors (SM12x included: vllm_plugin/kernels.py says why not
+        # b12x), the PyTorch reference elsewhere.
         self.ops_backend = "auto"
-        self._b12x_params: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.use_recovery:
             rows = int(vllm_config.scheduler_config.max_num_seqs)
             if fused_commit_enabled(vllm_config):
@@ -113,17 +112,6 @@ class RecoverGlm5NextLinearAttention(_BASE):  # type: ignore[misc]
                  for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0
             ).contiguous()
         return cast(torch.Tensor, self._merged_conv_weight)
-
-    def float_gate_params(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``A_log`` ``[h]`` and ``dt_bias`` ``[h, D]`` as float32 (built once: b12x binds
-        their addresses)."""
-        if self._b12x_params is None:
-            h, d = self.local_num_heads, self.head_dim
-            self._b12x_params = (
-                self.A_log.detach().reshape(h).float().contiguous(),
-                self.dt_bias.detach().reshape(h, d).float().contiguous(),
-            )
-        return self._b12x_params
 
     # -- forward -----------------------------------------------------------------------
     @compat.eager_break_during_capture

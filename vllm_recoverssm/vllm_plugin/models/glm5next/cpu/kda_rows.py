@@ -192,13 +192,6 @@ def recovery_rows(layer: Any, meta: Any, qkv: torch.Tensor, raw_g: torch.Tensor,
             prev_record_indices=meta.prev_record_rows, backend=layer.ops_backend,
             validate=check,
         )
-    b12x = meta.commit_context.b12x if meta.commit_context is not None else None
-    if b12x is not None:
-        a_log32, dt_bias32 = layer.float_gate_params()
-        return b12x.verify(  # type: ignore[no-any-return]
-            q, k, v, g, beta, a_log32, dt_bias32, state, slots, qsl, corrections, kg,
-            lower_bound=layer.kda_lower_bound, record_indices=rows, validate=check,
-        )
     a_log, dt_bias = _gate_params(layer)
     return ops.verify_recovery(
         q, k, v, g, beta, a_log, dt_bias, state, slots, qsl, corrections, kg,
