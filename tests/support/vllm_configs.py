@@ -2,7 +2,7 @@
 
 ``BASE_ARGS`` are the ``vllm serve`` arguments every config test starts from; the helpers
 decide as on a GPU, ask for a recovery mode, or turn on align-mode prefix caching on a
-copy of a real ``VllmConfig``, and build a recording double of the b12x adapter.
+copy of a real ``VllmConfig``, and plan its KV cache with vLLM's own planner.
 """
 
 from __future__ import annotations
@@ -66,3 +66,17 @@ def with_prefix_caching(vllm_config: Any, block_size: int = 16) -> Any:
     cache.mamba_block_size = block_size
     object.__setattr__(cfg, "cache_config", cache)
     return cfg
+
+
+def kv_cache_configs(cfg: Any, specs: list[dict[str, Any]], memory: list[int]) -> Any:
+    """vLLM's KV-cache planning: 0.33 moved it and takes the global groups separately."""
+    try:
+        from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(cfg, specs, memory)
+    return get_kv_cache_configs(cfg, specs, memory, get_global_kv_cache_groups(cfg, specs))

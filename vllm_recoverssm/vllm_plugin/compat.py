@@ -78,6 +78,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RequestStatus": ("vllm.v1.request", "RequestStatus"),
     "AttentionSpec": ("vllm.v1.kv_cache_interface", "AttentionSpec"),
     "MambaSpec": ("vllm.v1.kv_cache_interface", "MambaSpec"),
+    "CircularBufferSpec": ("vllm.v1.kv_cache_interface", "CircularBufferSpec"),
     # configuration
     "EngineArgs": ("vllm.engine.arg_utils", "EngineArgs"),
     "ModelRegistry": ("vllm", "ModelRegistry"),
@@ -297,6 +298,12 @@ def layer_table(owner: Any) -> dict[str, Any]:
 def is_mamba_spec(spec: Any) -> bool:
     """Whether a KV-cache group spec is a Mamba-style state (KDA, GDN) spec."""
     return isinstance(spec, __getattr__("MambaSpec"))
+
+
+def is_circular_buffer_spec(spec: Any) -> bool:
+    """Whether a KV-cache group spec is a one-block-per-request ring (GLM-5.3's indexer
+    tail cache: the raw keys of the pool still being compressed)."""
+    return isinstance(spec, __getattr__("CircularBufferSpec"))
 
 
 def is_attention_spec(spec: Any) -> bool:

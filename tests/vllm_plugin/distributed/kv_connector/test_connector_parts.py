@@ -20,7 +20,13 @@ import torch
 
 from tests.support.kda_layers import bind_pages, make_layer, prompt_meta
 from tests.support.tiny_glm import HEAD_DIM, LINEAR_HEADS, write_tiny_qwen3_next
-from tests.support.vllm_configs import MTP3, on_gpu, with_prefix_caching, with_recovery_mode
+from tests.support.vllm_configs import (
+    MTP3,
+    kv_cache_configs,
+    on_gpu,
+    with_prefix_caching,
+    with_recovery_mode,
+)
 from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore, RequestCheckpoint
 from vllm_recoverssm.config import IneligibleError
 
@@ -263,27 +269,13 @@ def _hybrid_pages(cfg: Any, layer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     layout = resolve_kv_cache_layout(work, [[x.name for x in KVCacheLayout]],
                                      list(specs.values()))
     with set_current_vllm_config(work):
-        kv_config = _kv_cache_configs(work, [specs], [16 << 20])[0]
+        kv_config = kv_cache_configs(work, [specs], [16 << 20])[0]
     tensors = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
     layer.bind_kv_cache(tensors[layer.prefix])
     gen = torch.Generator().manual_seed(8)
     for t in (layer.kv_cache[0], layer.kv_cache[1], tensors[ATTN]):
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     return kv_config, tensors
-
-
-def _kv_cache_configs(cfg: Any, specs: list[dict[str, Any]], memory: list[int]) -> Any:
-    """vLLM's KV-cache planning: 0.33 moved it and takes the global groups separately."""
-    try:
-        from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
-    except ImportError:  # vLLM 0.32
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        return get_kv_cache_configs(cfg, specs, memory)
-    return get_kv_cache_configs(cfg, specs, memory, get_global_kv_cache_groups(cfg, specs))
 
 
 def test_a_bundle_carries_kda_pages_and_attention_blocks_into_other_blocks(

@@ -9,10 +9,19 @@
   counted from the request's first block, or in align mode from the block vLLM keeps the
   running state in. A restore writes the state at zero offset into the request's first
   block (align mode: the block of the bundle's last token), where vLLM's next row reads it.
-* **Attention groups** (``AttentionSpec``: full attention, MLA, DSA indexer, MTP): the KV
-  of the prefix as whole blocks ``[ceil(k / B), ...]`` of the block-major tensor vLLM hands
-  ``register_kv_caches``. A restore writes the blocks past vLLM's own (block-aligned)
-  prefix-cache hit; positions past ``k`` in the last block are recomputed before any read.
+* **Attention groups** (``AttentionSpec``: full attention, MLA, the DSA indexer's keys
+  with ``tokens_per_state`` tokens per entry, MTP): the KV of the prefix as whole blocks
+  ``[ceil(k / B), ...]`` of the block-major tensor vLLM hands ``register_kv_caches``. A
+  restore writes the blocks past vLLM's own (block-aligned) prefix-cache hit; positions
+  past ``k`` in the last block are recomputed before any read.
+* **Ring groups** (``CircularBufferSpec``: GLM-5.3's indexer tail cache): the request's one
+  block, holding the raw keys of the pool still being compressed at ``pos % ring``. It is
+  state updated in place, like a KDA page, so it is read with the KDA pages (at the same
+  moment: before a step for a chunk's first token, at the step that reaches a request's
+  end) and always restored, past any local hit. vLLM sizes the ring to hold the open pool
+  and one step's drafts (``ring >= kpool + S``), so the keys written for drafts at positions
+  ``>= k`` never overwrite the open pool's before ``k``; a capture inside a chunk would,
+  so none is planned while a ring group exists (:attr:`PageLayout.ring_groups`).
 
 Any other group kind (sliding windows, cross attention, HiSparse, ...) is refused when the
 connector starts. Nothing here moves a byte before the whole bundle has been checked
@@ -21,8 +30,9 @@ against the destination (:meth:`PageLayout.check`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +41,7 @@ import torch
 from ... import compat
 from .metadata import BlockIds
 
-CONV, STATE, KV = "conv", "state", "kv"
+CONV, STATE, KV, RING = "conv", "state", "kv", "ring"
 
 
 class LayoutError(ValueError):
@@ -81,6 +91,8 @@ class KdaSource:
 
     per_group: Mapping[int, tuple[int, int, int]]
     """group -> (conv slot, conv offset, state slot)."""
+    rings: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """ring group -> the request's ring block."""
 
 
 class PageLayout:
@@ -90,11 +102,16 @@ class PageLayout:
                  layers: Mapping[str, Any]) -> None:
         self.kda: list[KdaLayer] = []
         self.attention: list[AttentionLayer] = []
+        self.rings: list[AttentionLayer] = []
         self.kda_groups: list[int] = []
         self.attention_groups: list[int] = []
+        self.ring_groups: list[int] = []
         for g, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
-            if compat.is_mamba_spec(spec):
+            if all(compat.is_circular_buffer_spec(s) for s in compat.group_specs(spec)):
+                self.ring_groups.append(g)
+                self.rings += _block_major(g, group.layer_names, spec, kv_caches)
+            elif compat.is_mamba_spec(spec):
                 self.kda_groups.append(g)
                 for name in group.layer_names:
                     layer = layers.get(name)
@@ -107,14 +124,11 @@ class PageLayout:
             elif all(compat.is_attention_spec(s) and _plain_attention(s)
                      for s in compat.group_specs(spec)):
                 self.attention_groups.append(g)
-                for name in group.layer_names:
-                    if name not in kv_caches:
-                        raise LayoutError(f"attention layer {name} has no KV tensor")
-                    block = int(compat.group_specs(spec)[0].block_size)
-                    self.attention.append(AttentionLayer(name, g, kv_caches[name], block))
+                self.attention += _block_major(g, group.layer_names, spec, kv_caches)
             else:
                 raise LayoutError(
-                    f"KV-cache group {g} ({type(spec).__name__}) cannot be checkpointed at "
+                    f"KV-cache group {g} ({type(spec).__name__}, layers "
+                    f"{', '.join(list(group.layer_names)[:2])}) cannot be checkpointed at "
                     "request boundaries (sliding-window, chunked-local, cross-attention and "
                     "host-resident groups are not supported)")
         if not self.kda:
@@ -127,8 +141,14 @@ class PageLayout:
 
     # -- capture ----------------------------------------------------------------------------
     def read_kda(self, source: KdaSource) -> dict[str, dict[str, torch.Tensor]]:
-        """Every KDA layer's conv history and state from ``source`` (CPU copies)."""
+        """Every KDA layer's conv history and state from ``source``, and every ring layer's
+        block (CPU copies): the state a request's pages hold in place."""
         out: dict[str, dict[str, torch.Tensor]] = {}
+        for ring in self.rings:
+            block = source.rings.get(ring.group, 0)
+            if block == 0:
+                raise BundleMismatch(f"{ring.name}: the request holds no ring block")
+            out[ring.name] = {RING: ring.tensor[block].to("cpu", copy=True)}
         for layer in self.kda:
             conv_slot, offset, state_slot = source.per_group[layer.group]
             h = layer.history
@@ -153,7 +173,8 @@ class PageLayout:
     # -- restore ----------------------------------------------------------------------------
     def check(self, layers: Mapping[str, Mapping[str, torch.Tensor]], num_tokens: int) -> None:
         """Raise :class:`BundleMismatch` unless ``layers`` fit these pages exactly."""
-        expected = {layer.name for layer in self.kda} | {layer.name for layer in self.attention}
+        expected = ({layer.name for layer in self.kda} | {layer.name for layer in self.attention}
+                    | {ring.name for ring in self.rings})
         if set(layers) != expected:
             missing = sorted(expected - set(layers))[:3]
             extra = sorted(set(layers) - expected)[:3]
@@ -173,6 +194,12 @@ class PageLayout:
                 raise BundleMismatch(f"{att.name}: tensors {sorted(layers[att.name])}, "
                                      f"expected {[KV]}")
             _same(att.name, layers[att.name], KV, torch.empty(0, dtype=att.tensor.dtype), want)
+        for ring in self.rings:
+            if set(layers[ring.name]) != {RING}:
+                raise BundleMismatch(f"{ring.name}: tensors {sorted(layers[ring.name])}, "
+                                     f"expected {[RING]}")
+            _same(ring.name, layers[ring.name], RING, torch.empty(0, dtype=ring.tensor.dtype),
+                  tuple(ring.tensor.shape[1:]))
 
     def conv_and_state_like(self, layer: KdaLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-size stand-ins carrying the shapes and dtypes a layer's bundle tensors have."""
@@ -193,6 +220,9 @@ class PageLayout:
             conv, state = layer.conv_view(), layer.state_view()
             conv[slot, :, :layer.history] = tensors[CONV].to(conv.device)
             state[slot] = tensors[STATE].to(state.device)
+        for ring in self.rings:
+            ring.tensor[_ring_block(ring, block_ids)] = layers[ring.name][RING].to(
+                ring.tensor.device)
         for att in self.attention:
             first = local_tokens // att.block_size
             blocks = math.ceil(num_tokens / att.block_size)
@@ -204,13 +234,39 @@ class PageLayout:
                 att.tensor.device))
 
     def kda_destination_check(self, block_ids: BlockIds, state_column: int = 0) -> None:
-        """Raise unless every KDA group has a state block (at ``state_column``) to
-        restore into."""
+        """Raise unless every KDA group has a state block (at ``state_column``) and every
+        ring group its block to restore into."""
         for g in self.kda_groups:
             ids = block_ids[g]
             if len(ids) <= state_column or int(ids[state_column]) == 0:
                 raise BundleMismatch(f"KV-cache group {g}: the request has no state block "
                                      f"at column {state_column}")
+        for ring in self.rings:
+            _ring_block(ring, block_ids)
+
+    def ring_blocks(self, block_ids: BlockIds) -> dict[int, int]:
+        """Ring group -> the request's ring block (0 where it holds none)."""
+        return {g: int(block_ids[g][0]) if len(block_ids[g]) else 0
+                for g in self.ring_groups}
+
+
+def _block_major(group: int, names: Sequence[str], spec: Any,
+                 kv_caches: Mapping[str, torch.Tensor]) -> list[AttentionLayer]:
+    """The layers of an attention or ring group, each with its block-major KV tensor."""
+    block = int(compat.group_specs(spec)[0].block_size)
+    out = []
+    for name in names:
+        if name not in kv_caches:
+            raise LayoutError(f"attention layer {name} has no KV tensor")
+        out.append(AttentionLayer(name, group, kv_caches[name], block))
+    return out
+
+
+def _ring_block(ring: AttentionLayer, block_ids: BlockIds) -> int:
+    ids = block_ids[ring.group]
+    if len(ids) != 1 or int(ids[0]) == 0:
+        raise BundleMismatch(f"{ring.name}: the request holds no ring block ({list(ids)})")
+    return int(ids[0])
 
 
 def _plain_attention(spec: Any) -> bool:

@@ -221,6 +221,8 @@ class WorkerSide:
         for capture in self._captures:
             if capture.offset >= capture.chunk_len:
                 continue  # the chunk's end: read from the page after the forward
+            if capture.offset and self.layout.ring_groups:
+                continue  # no exact ring inside a chunk (pages.py): _capture says so
             ids = meta.block_ids[capture.req_id]
             # align mode: vLLM moved the row's state into the block of the chunk's end
             # before the forward, and the row computes there
@@ -256,7 +258,7 @@ class WorkerSide:
             if len(ids) <= at or 0 in (ids[column], ids[at]):
                 raise ValueError(f"group {g}: no state block at column {at} ({list(ids)})")
             per_group[g] = (int(ids[column]), bias, int(ids[at]))
-        return KdaSource(per_group)
+        return KdaSource(per_group, self.layout.ring_blocks(block_ids))
 
     def _export(self, export: Export) -> None:
         assert self.layout is not None
@@ -524,6 +526,9 @@ class WorkerSide:
             if capture.key not in self._at_start:
                 raise ValueError("its state was not readable before the step")
             kda = self._at_start.pop(capture.key)
+        elif self.layout.ring_groups:
+            raise ValueError("a state inside a prompt chunk: the indexer's tail ring "
+                             "already holds the chunk's later keys")
         else:
             got = tapped.get(capture.key, {})
             missing = [layer.name for layer in self.layout.kda if layer.name not in got]
