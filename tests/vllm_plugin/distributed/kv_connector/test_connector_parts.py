@@ -564,3 +564,43 @@ def test_worker_reports_merge_across_ranks_once(vllm_module: Any) -> None:
     merged = a.aggregate(b).aggregate(b)
     assert merged.published == [(16, "d", 0), (16, "d", 1)]
     assert merged.failed == [(32, "e", 0)]
+
+
+def test_a_chunk_end_the_step_did_not_reach_is_not_stored(
+    build_config: Any, distributed: None,
+) -> None:
+    """LMCache#4984: a connector stored a block whose state the step never wrote (vLLM
+    merged the prompt's last block into a speculative step). A chunk-end bundle is taken
+    only when runner V2's count of the row's state after the step is the bundle's."""
+    from types import SimpleNamespace
+
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector.keys import bundle_key
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector.metadata import Capture
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector.pages import PageLayout
+    from vllm_recoverssm.vllm_plugin.distributed.kv_connector.worker import (
+        Sampled,
+        WorkerSide,
+        WorkerStats,
+    )
+
+    cfg = build_config(*MTP3)
+    layer = make_layer(cfg, recovery=True)
+    kv_config, tensors = _hybrid_pages(cfg, layer)
+    groups = {g.layer_names[0]: i for i, g in enumerate(kv_config.kv_cache_groups)}
+    ids: list[tuple[int, ...]] = [(), ()]
+    ids[groups[layer.prefix]], ids[groups[ATTN]] = (7,), (3, 9)
+    prompt = list(range(1, 41))
+    submitted: list[Any] = []
+    worker = WorkerSide.__new__(WorkerSide)  # only what a step's captures use
+    worker.layout = PageLayout(kv_config, tensors, {layer.prefix: layer})
+    worker.align_block, worker._step, worker.stats = 0, 1, WorkerStats()
+    worker._failed_keys, worker._at_start, worker._prompts = [], {}, {"r": prompt}
+    worker._meta = SimpleNamespace(block_ids={"r": tuple(ids)})
+    worker.writer = SimpleNamespace(submit=lambda key, bundle: submitted.append(key))
+    key = bundle_key(prompt[:32])
+    for held in (24, 32):  # the step computed 24 tokens, then the planned 32
+        worker._last = {"r": Sampled(1, 1, torch.zeros(4), torch.tensor(held))}
+        worker._captures = [Capture("r", key, "interval", offset=16, chunk_len=16)]
+        worker.finish_captures()
+    assert worker.stats.stale_exports == 1 and worker._failed_keys == [key]
+    assert submitted == [key] and worker.stats.exported["interval"] == 1

@@ -108,7 +108,8 @@ class WorkerStats:
                                                                "response": 0})
     export_failures: int = 0
     stale_exports: int = 0
-    """Response bundles not exported because the state had moved on (module docstring)."""
+    """Bundles not exported because the state held other tokens than planned: a response
+    whose state had moved on (module docstring), a chunk end the step did not reach."""
     steps_past_end: int = 0
     """Runner V2: steps a request ran after its state reached its end (asynchronous
     scheduling); its export reads the state kept at the end."""
@@ -244,6 +245,22 @@ class WorkerSide:
                 keys = (old.keys if old else ()) + (capture.key,)
                 planned[(g, slot)] = taps.RowTaps(offsets, keys, capture.chunk_len)
         taps.install(planned)
+
+    def _check_computed(self, req_id: str, num_tokens: int) -> None:
+        """Raise :class:`StaleStateError` unless the state after this step holds exactly
+        ``num_tokens`` tokens (runner V2 counts them; V1 computes what was scheduled).
+
+        A chunk-end capture is planned from what the scheduler sent; a step that computed
+        another count (vLLM merging a prompt's last block into a speculative step,
+        LMCache#4984) leaves a state of other tokens, which must not be stored under
+        these."""
+        last = self._last.get(req_id)
+        if last is None or last.step != self._step or last.state_len is None:
+            return
+        held = int(last.state_len)
+        if held != num_tokens:
+            raise StaleStateError(f"its state holds {held} tokens after the step, not the "
+                                  f"{num_tokens} the bundle is for")
 
     def _column(self, num_tokens: int) -> int:
         """The block column of a state after ``num_tokens`` tokens (align mode), else 0."""
@@ -510,6 +527,11 @@ class WorkerSide:
         for capture in captures:
             try:
                 self._capture(capture, tapped)
+            except StaleStateError as exc:
+                logger.info("%s checkpoint of %d tokens not exported: %s", capture.kind,
+                            capture.key.num_tokens, exc)
+                self.stats.stale_exports += 1
+                self._failed_keys.append(capture.key)
             except Exception as exc:
                 logger.warning("%s checkpoint of %d tokens not exported: %s", capture.kind,
                                capture.key.num_tokens, exc)
@@ -521,6 +543,7 @@ class WorkerSide:
         ids = self._meta.block_ids[capture.req_id]
         k = capture.key.num_tokens
         if capture.offset >= capture.chunk_len:
+            self._check_computed(capture.req_id, k)
             kda = self.layout.read_kda(self._kda_source(ids, 0, self._column(k)))
         elif capture.offset == 0:
             if capture.key not in self._at_start:
