@@ -52,6 +52,10 @@ request-boundary checkpoints (the one kind of connector recovery state can go th
 _logged: set[tuple[Any, ...]] = set()
 
 
+def _say_info(message: str) -> None:
+    plugin_logger().info("vllm-recoverssm: %s", message)
+
+
 def plugin_logger() -> logging.Logger:
     """The plugin's logger, after vLLM has configured its logging (on first import)."""
     from .compat import configure_vllm_logging
@@ -173,7 +177,7 @@ def deployment_from_vllm_config(
         "model_runner": "v2" if vllm_config.use_v2_model_runner else "v1",
         "device": device,
         "gpu_capability": cap,
-        "kernel_backend": "reference" if device == "cpu" else plugin_kernel_backend(cap),
+        "kernel_backend": "reference" if device == "cpu" else plugin_kernel_backend(cap, _say_info),
         "kv_connector": kv_connector_kind(vllm_config),
         "cache_mode": "align" if cache.mamba_cache_mode == "align" else "none",
         "stochastic_rounding": bool(getattr(mamba, "enable_stochastic_rounding", False)),

@@ -12,7 +12,7 @@ our Triton kernels, and the plugin says so once.
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 
 from ..ops.backends import KernelBackend, choose_kernel_backend
 
@@ -25,16 +25,15 @@ B12X_NOT_USED = (
 _said: list[bool] = []
 
 
-def plugin_kernel_backend(capability: tuple[int, int] | None) -> KernelBackend | None:
+def plugin_kernel_backend(capability: tuple[int, int] | None,
+                          say: Callable[[str], None] | None = None) -> KernelBackend | None:
     """The kernels the plugin's recovery rows run on a GPU of ``capability`` (None: no
     CUDA GPU, or one older than SM80): Triton wherever :func:`choose_kernel_backend`
-    would pick b12x (logged once, :data:`B12X_NOT_USED`)."""
+    would pick b12x, told once per process to ``say`` (:data:`B12X_NOT_USED`)."""
     picked = choose_kernel_backend(capability)
     if picked != "b12x":
         return picked
-    if not _said:
+    if not _said and say is not None:
         _said.append(True)
-        from .config import plugin_logger
-
-        plugin_logger().log(logging.INFO, "vllm-recoverssm: %s", B12X_NOT_USED)
+        say(B12X_NOT_USED)
     return "triton"
