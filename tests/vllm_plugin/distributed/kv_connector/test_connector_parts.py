@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.bundles import through_ram_store
 from tests.support.kda_layers import bind_pages, make_layer, prompt_meta
 from tests.support.tiny_glm import HEAD_DIM, LINEAR_HEADS, write_tiny_qwen3_next
 from tests.support.vllm_configs import (
@@ -27,7 +28,7 @@ from tests.support.vllm_configs import (
     with_prefix_caching,
     with_recovery_mode,
 )
-from vllm_recoverssm.checkpoint import CheckpointConfig, CheckpointStore, RequestCheckpoint
+from vllm_recoverssm.checkpoint import RequestCheckpoint
 from vllm_recoverssm.config import IneligibleError
 
 CONNECTOR = "RecoverSSMCheckpointConnector"
@@ -278,10 +279,18 @@ def _hybrid_pages(cfg: Any, layer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     return kv_config, tensors
 
 
+def _hybrid_setup(build_config: Any) -> tuple[Any, Any, dict[str, torch.Tensor], dict[str, int]]:
+    """A KDA layer and vLLM's pages for it and one attention layer; each layer's group."""
+    cfg = build_config(*MTP3)
+    layer = make_layer(cfg, recovery=True)
+    kv_config, tensors = _hybrid_pages(cfg, layer)
+    groups = {g.layer_names[0]: i for i, g in enumerate(kv_config.kv_cache_groups)}
+    return layer, kv_config, tensors, groups
+
+
 def test_a_bundle_carries_kda_pages_and_attention_blocks_into_other_blocks(
     build_config: Any, distributed: None,
 ) -> None:
-    from vllm_recoverssm.checkpoint import LayoutIdentity
     from vllm_recoverssm.vllm_plugin.distributed.kv_connector.pages import (
         BundleMismatch,
         KdaSource,
@@ -289,10 +298,7 @@ def test_a_bundle_carries_kda_pages_and_attention_blocks_into_other_blocks(
         PageLayout,
     )
 
-    cfg = build_config(*MTP3)
-    layer = make_layer(cfg, recovery=True)
-    kv_config, tensors = _hybrid_pages(cfg, layer)
-    groups = {g.layer_names[0]: i for i, g in enumerate(kv_config.kv_cache_groups)}
+    layer, kv_config, tensors, groups = _hybrid_setup(build_config)
     gk, ga = groups[layer.prefix], groups[ATTN]
     pages = PageLayout(kv_config, tensors, {layer.prefix: layer})
     assert pages.kda_groups == [gk] and pages.attention_groups == [ga]
@@ -305,15 +311,7 @@ def test_a_bundle_carries_kda_pages_and_attention_blocks_into_other_blocks(
     checkpoint = RequestCheckpoint(tokens=tuple(range(1, k + 1)),
                                    layers={**kda, ATTN: {"kv": attention[ATTN]}},
                                    logits=torch.zeros(4), boundary="prompt")
-    identity = LayoutIdentity(model="tiny", revision="x", dtypes={"state": "float32"},
-                              layout="vllm-kv-pages", layout_version=1, tp_rank=0, tp_size=1,
-                              num_speculative_tokens=3, mode="recovery")
-    # through LMCache's RAM backend and back, as a restore reads it
-    with CheckpointStore(CheckpointConfig(backend="ram", ram_bytes=64 << 20), identity) as store:
-        assert store.store(checkpoint).stored
-        hit = store.lookup(checkpoint.tokens, min_tokens=k)
-    assert hit is not None
-    restored = hit.checkpoint.layers
+    restored = through_ram_store(checkpoint, "tiny")
     pages.check(restored, k)
     before = tensors[ATTN].clone()
     dst: list[tuple[int, ...]] = [(), ()]
@@ -583,10 +581,7 @@ def test_a_chunk_end_the_step_did_not_reach_is_not_stored(
         WorkerStats,
     )
 
-    cfg = build_config(*MTP3)
-    layer = make_layer(cfg, recovery=True)
-    kv_config, tensors = _hybrid_pages(cfg, layer)
-    groups = {g.layer_names[0]: i for i, g in enumerate(kv_config.kv_cache_groups)}
+    layer, kv_config, tensors, groups = _hybrid_setup(build_config)
     ids: list[tuple[int, ...]] = [(), ()]
     ids[groups[layer.prefix]], ids[groups[ATTN]] = (7,), (3, 9)
     prompt = list(range(1, 41))

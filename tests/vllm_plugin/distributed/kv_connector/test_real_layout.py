@@ -16,14 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.bundles import through_ram_store
 from tests.support.glm53_layout import KPOOL, BuiltLayout, build_layout, write_glm53_flash_shaped
 from tests.support.vllm_configs import MTP3
-from vllm_recoverssm.checkpoint import (
-    CheckpointConfig,
-    CheckpointStore,
-    LayoutIdentity,
-    RequestCheckpoint,
-)
+from vllm_recoverssm.checkpoint import RequestCheckpoint
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +100,7 @@ def test_a_bundle_carries_every_group_through_lmcache_into_other_blocks(
     assert set(layers) == set(built.layers)  # every KV-cache layer of the model
     checkpoint = RequestCheckpoint(tokens=tuple(range(1, k + 1)), layers=layers,
                                    logits=torch.zeros(4), boundary="prompt")
-    identity = LayoutIdentity(model="glm53-flash-shaped", revision="x",
-                              dtypes={"state": "float32"}, layout="vllm-kv-pages",
-                              layout_version=1, tp_rank=0, tp_size=1,
-                              num_speculative_tokens=3, mode="recovery")
-    with CheckpointStore(CheckpointConfig(backend="ram", ram_bytes=256 << 20), identity) as store:
-        assert store.store(checkpoint).stored
-        hit = store.lookup(checkpoint.tokens, min_tokens=k)
-    assert hit is not None
-    restored = hit.checkpoint.layers
+    restored = through_ram_store(checkpoint, "glm53-flash-shaped", ram_bytes=256 << 20)
     pages.check(restored, k)
     before = {n: t.clone() for n, t in built.tensors.items() if n in attention}
     dst = _ids(built, kda=11, ring=12, blocks=[20, 21])
